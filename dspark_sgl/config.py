@@ -1,0 +1,204 @@
+"""DSparkConfig: the one typed description of a DSpark draft.
+
+Peers spread the same fields over different places of config.json (SGLang reads them top-level, under
+`dspark_config` or `dflash_config`, or `dspark_*`-prefixed inside a target config; SpecForge reads them under
+`dflash_config`; vLLM reads `dflash_config`). `from_dict` accepts all of those; `to_dict` writes one canonical
+config.json that carries every key each of them reads, with the mask id and layer ids resolved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DSPARK_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "num_target_layers",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "sample_from_anchor",
+)
+# Target-bundled form (SGLang `dspark_*` keys inside the target's config.json).
+_PREFIXED = {
+    "dspark_block_size": "block_size",
+    "dspark_markov_rank": "markov_rank",
+    "dspark_markov_head_type": "markov_head_type",
+    "dspark_noise_token_id": "mask_token_id",
+    "dspark_mask_token_id": "mask_token_id",
+    "dspark_target_layer_ids": "target_layer_ids",
+    "dspark_num_target_layers": "num_target_layers",
+    "dspark_confidence_head_with_markov": "confidence_head_with_markov",
+    "dspark_enable_confidence_head": "enable_confidence_head",
+}
+
+
+class ConfigError(ValueError):
+    """A draft config that cannot describe a working draft (or does not fit its target)."""
+
+
+@dataclass
+class DSparkConfig:
+    # Backbone (Qwen3-style). hidden_size must equal the target's: the target embedding/lm_head are shared.
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    # DSpark
+    block_size: int = 7  # γ: draft tokens per block
+    target_layer_ids: list[int] = field(default_factory=list)  # id i = OUTPUT of target decoder layer i
+    num_target_layers: int | None = None
+    mask_token_id: int | None = None
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    sample_from_anchor: bool = True  # anchor is the first prediction position: γ inputs give γ drafts
+    sts_temperatures: list[float] | None = None  # per-position confidence temperatures (STS)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_rank > 0
+
+    def validate(
+        self,
+        target_hidden_size: int | None = None,
+        target_num_layers: int | None = None,
+        target_vocab_size: int | None = None,
+    ) -> DSparkConfig:
+        """Raise ConfigError with one clear message for the first problem found."""
+        if self.block_size < 1:
+            raise ConfigError(f"block_size (γ) must be >= 1, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}")
+        if self.markov_rank <= 0:
+            raise ConfigError(
+                f"markov_rank must be > 0 for a DSpark draft (a Markov head is required), got {self.markov_rank}"
+            )
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: the draft needs at least one target layer to condition on")
+        if min(self.target_layer_ids) < 0:
+            raise ConfigError(f"target_layer_ids must be >= 0, got {self.target_layer_ids}")
+        if self.mask_token_id is None:
+            raise ConfigError("mask_token_id is missing: set it explicitly (no silent fallback to pad/eos)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        n_layers = target_num_layers or self.num_target_layers
+        if n_layers is not None and max(self.target_layer_ids) >= n_layers:
+            raise ConfigError(
+                f"target_layer_ids {self.target_layer_ids} reach layer {max(self.target_layer_ids)} but the target "
+                f"has only {n_layers} layers"
+            )
+        if target_hidden_size is not None and target_hidden_size != self.hidden_size:
+            raise ConfigError(
+                f"draft hidden_size={self.hidden_size} != target hidden size {target_hidden_size}: the draft shares "
+                "the target's embedding and lm_head, so they must match"
+            )
+        if target_vocab_size is not None and target_vocab_size != self.vocab_size:
+            raise ConfigError(f"draft vocab_size={self.vocab_size} != target vocab size {target_vocab_size}")
+        if self.sts_temperatures is not None and len(self.sts_temperatures) != self.block_size:
+            raise ConfigError(
+                f"sts_temperatures has {len(self.sts_temperatures)} entries, expected block_size={self.block_size}"
+            )
+        return self
+
+    # ---- peer layouts -------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DSparkConfig:
+        """Build from any peer layout: top-level, text_config, dflash_config, dspark_config (wins), dspark_*."""
+        merged: dict[str, Any] = {}
+        for source in (raw.get("text_config") or {}, raw):
+            merged.update({k: v for k, v in source.items() if not isinstance(v, dict) or k == "rope_scaling"})
+        for prefixed, key in _PREFIXED.items():
+            if prefixed in raw:
+                merged[key] = raw[prefixed]
+        for nested in ("dflash_config", "dspark_config"):  # later wins, as in SGLang
+            merged.update(raw.get(nested) or {})
+        # rope_parameters (transformers 5) carries rope_theta and the scaling dict.
+        rope = raw.get("rope_parameters") or (raw.get("text_config") or {}).get("rope_parameters")
+        if rope:
+            merged.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default":
+                merged.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        if merged.get("head_dim") is None and "hidden_size" in merged and "num_attention_heads" in merged:
+            merged["head_dim"] = merged["hidden_size"] // merged["num_attention_heads"]
+        if merged.get("num_key_value_heads") is None and "num_attention_heads" in merged:
+            merged["num_key_value_heads"] = merged["num_attention_heads"]
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if n not in merged]
+        if missing:
+            raise ConfigError(f"draft config is missing required keys: {missing}")
+        return cls(**{k: v for k, v in merged.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical config.json: Qwen3-style backbone + every DSpark key where each peer reads it."""
+        own = asdict(self)
+        dspark = {k: own[k] for k in DSPARK_KEYS}
+        out: dict[str, Any] = {
+            "architectures": ["DSparkDraftModel"],
+            "model_type": "qwen3",
+            **own,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "num_context_features": self.num_aux,
+            "dflash_config": dict(dspark),
+            "dspark_config": dict(dspark),
+        }
+        if self.sts_temperatures is None:
+            out.pop("sts_temperatures")
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DSparkConfig:
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        if not file.exists():
+            raise ConfigError(f"no config.json at {file}")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[int]:
+    """Layer ids spread over the target (skipping the first and last layer), as DFlash/DSpark drafts use."""
+    if num_target_layers < 3:
+        return list(range(num_target_layers))[:num_aux]
+    num_aux = min(num_aux, num_target_layers - 2)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return sorted({start + round(i * span / max(num_aux - 1, 1)) for i in range(num_aux)})

@@ -1,0 +1,106 @@
+"""The canonical DSpark checkpoint folder: config.json + model.safetensors (+ optional sts.json).
+
+Weight names are the ones SGLang, SpecForge and vLLM read (no embedding, no lm_head). Loading accepts an optional
+`model.` prefix and the `encoder.*` aliases some exporters write, and reports every missing, unexpected or
+mis-shaped tensor by name in one error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_sgl.config import DSparkConfig
+from dspark_sgl.model.draft import DSparkDraft
+
+WEIGHTS_FILE = "model.safetensors"
+SKIPPED_PREFIXES = ("lm_head.", "embed_tokens.", "rotary_emb.", "model.embed_tokens.")
+ALIASES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+
+
+class CheckpointError(ValueError):
+    """A draft folder whose tensors do not match its config."""
+
+
+def _canonical_name(name: str) -> str | None:
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    name = ALIASES.get(name, name)
+    if name.startswith("model.") and not name.startswith("model.markov_head"):
+        name = name[len("model."):]
+    return name
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a draft folder (every *.safetensors shard), names canonicalised, quantized ones dequantized."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {folder}")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    config_json = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    if "quantization_config" in config_json:
+        from dspark_sgl.tools.quantize import dequantize_state_dict  # lazy: tools -> model, not the reverse at import
+
+        raw = dequantize_state_dict(raw, config_json["quantization_config"])
+    out = {}
+    for name, t in raw.items():
+        canon = _canonical_name(name)
+        if canon is not None:
+            out[canon] = t
+    return out
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(state))
+        if state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {missing}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {unexpected}")
+        if misshaped:
+            parts.append(f"mis-shaped tensors: {misshaped}")
+        raise CheckpointError("draft weights do not match the config: " + "; ".join(parts))
+    bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"draft weights contain NaN/inf in: {bad}")
+
+
+def load_draft(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DSparkDraft:
+    """Load a draft folder written by us or a peer (SGLang / SpecForge / vLLM layouts)."""
+    config = DSparkConfig.from_pretrained(path)
+    sts = Path(path) / "sts.json"
+    if sts.exists() and config.sts_temperatures is None:
+        config.sts_temperatures = json.loads(sts.read_text())["temperatures"]
+        config.validate()
+    with torch.device("meta"):
+        model = DSparkDraft(config)
+    state = read_state_dict(path)
+    check_state_dict(model, state)
+    model.load_state_dict(state, assign=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_draft(model: DSparkDraft, path: str | Path) -> Path:
+    """Write config.json + model.safetensors (contiguous, names exactly as peers read them)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-sgl"})
+    return folder

@@ -1,0 +1,349 @@
+"""The DSpark draft, top to bottom.
+
+A DSpark draft is a small Qwen3-style decoder that predicts γ tokens in one non-causal pass:
+
+    context c   = RMSNorm_hidden(fc(concat(target aux hidden states)))     one vector per committed token
+    block input = target_embed([anchor, MASK, ..., MASK])                   γ rows at positions a .. a+γ-1
+    each layer  : queries from the block; keys/values = [K/V(c) of tokens < a ; K/V(block)]
+    h           = final RMSNorm; base logits = target_lm_head(h)
+    Markov head : bias_t = W2 · latent(prev_t, h_t, state) added to base logits, prev_0 = anchor (sequential)
+    confidence  : c_t = σ(w · [h_t ; E1[prev_t]] + b), fp32
+
+Training runs all anchor blocks of a sequence in ONE forward (each block sees context < its anchor and its own
+block); inference runs one block per request against a context K/V cache. Both call the same `forward_blocks`
+with the same mask rule, so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark_sgl.config import DSparkConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: DSparkConfig) -> Tensor:
+    """Inverse frequencies for neox-style RoPE over the full head_dim (default or linear scaling)."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind not in ("default", None):
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the draft yet")
+    return inv.float()
+
+
+def apply_rope(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+    """x [B, heads, T, d], pos [B, T] absolute positions."""
+    freqs = pos.to(torch.float32)[:, None, :, None] * inv_freq.to(x.device)  # [B,1,T,d/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)  # [B, n, T, d]
+
+    def kv(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V of rows x (block tokens or context vectors): k = RoPE(k_norm(W_k x)), v = W_v x."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv)), pos, inv_freq)
+        return k, self._heads(self.v_proj(x), self.n_kv)
+
+    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor, inv_freq: Tensor) -> Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), pos, inv_freq)
+        k, v = self.kv(x, pos, inv_freq)
+        k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor, inv_freq: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), pos, ctx_k, ctx_v, mask, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank previous-token logit bias: bias = W2 · latent, latent from E1[prev] (and h, state)."""
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.kind, r, H = c.markov_head_type, c.markov_rank, c.hidden_size
+        self.markov_w1 = nn.Embedding(c.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + H, 3 * r)
+
+    def latent(self, prev: Tensor, h: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """One step: prev [...] token ids, h [..., H] draft hidden at this row -> (latent [..., r], new state)."""
+        e = self.markov_w1(prev).to(h.dtype)
+        if self.kind == "vanilla":
+            return e, None
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat((h, e), -1))) * e, None
+        state = torch.zeros_like(e) if state is None else state
+        a, cand, o = self.joint_proj(torch.cat((state, e, h), -1)).chunk(3, dim=-1)
+        g = torch.sigmoid(a)
+        state = g * state + (1 - g) * torch.tanh(cand)
+        return torch.tanh(o), state
+
+    def teacher_forced_latent(self, prev: Tensor, h: Tensor) -> Tensor:
+        """prev [..., γ] ground-truth previous tokens, h [..., γ, H] -> latent [..., γ, r] (rnn runs the scan)."""
+        if self.kind != "rnn":
+            return self.latent(prev, h, None)[0]
+        state, out = None, []
+        for t in range(prev.shape[-1]):
+            z, state = self.latent(prev[..., t], h[..., t, :], state)
+            out.append(z)
+        return torch.stack(out, dim=-2)
+
+    def bias(self, latent: Tensor) -> Tensor:
+        return self.markov_w2(latent)
+
+
+class ConfidenceHead(nn.Module):
+    """P(draft token t survives | prefix accepted) logit; kept in fp32 whatever the model dtype."""
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.with_markov = c.confidence_head_with_markov
+        self.proj = nn.Linear(c.hidden_size + (c.markov_rank if self.with_markov else 0), 1)
+
+    def forward(self, h: Tensor, prev_emb: Tensor | None) -> Tensor:
+        x = torch.cat((h, prev_emb), -1) if self.with_markov else h
+        return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
+
+    def _apply(self, fn, recurse=True):  # keep fp32 under .to(dtype) / .half()
+        super()._apply(fn, recurse)
+        for p in self.parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
+def block_attention_mask(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor:
+    """Bool mask [B, 1, N·γ, ctx_len + N·γ] for N blocks per row.
+
+    Block n (anchor position a) sees context positions < a and all γ tokens of its own block, nothing else.
+    Inference is the N=1 case with a = number of committed tokens that have context K/V.
+    """
+    B, N = anchors.shape
+    dev = anchors.device
+    q_block = torch.arange(N * block_size, device=dev) // block_size  # block index of each query row
+    ctx = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, :, None]  # [B, N, S]
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, N·γ, S]
+    own = (q_block[:, None] == q_block[None, :]).expand(B, -1, -1)  # [B, N·γ, N·γ]
+    return torch.cat((ctx, own), dim=-1)[:, None]
+
+
+@dataclass
+class TargetHeads:
+    """The frozen target embedding and lm_head the draft borrows; never part of the draft's state dict."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c)
+        self.confidence_head = ConfidenceHead(c) if c.enable_confidence_head else None
+        self._inv_freq = rope_inv_freq(c)  # fp32 always; a plain attribute so .to(bf16) cannot round it
+        self._target: TargetHeads | None = None
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @property
+    def inv_freq(self) -> Tensor:
+        if self._inv_freq.device != self.fc.weight.device and not self.fc.weight.is_meta:
+            self._inv_freq = self._inv_freq.to(self.fc.weight.device)
+        return self._inv_freq
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> DSparkDraft:
+        from dspark_sgl.model.checkpoint import load_draft
+
+        return load_draft(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path) -> None:
+        from dspark_sgl.model.checkpoint import save_draft
+
+        save_draft(self, path)
+
+    # ---- target heads ------------------------------------------------------------------------------------
+    def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> DSparkDraft:
+        """Borrow the target's frozen embedding and lm_head (kept outside the module tree: never saved/trained)."""
+        self._target = TargetHeads(embed_tokens, lm_head)
+        return self
+
+    @property
+    def target(self) -> TargetHeads:
+        if self._target is None:
+            raise RuntimeError("DSparkDraft has no target heads: call draft.bind_target(embed_tokens, lm_head) first")
+        return self._target
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.target.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def base_logits(self, h: Tensor) -> Tensor:
+        head = self.target.lm_head
+        return F.linear(h.to(head.weight.dtype), head.weight).float()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    # ---- the one forward ---------------------------------------------------------------------------------
+    def project_context(self, aux_hidden: Tensor) -> Tensor:
+        """[..., K·H] concatenated target aux hidden states -> context vectors [..., H]."""
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context K/V [B, kv_heads, S, d] for context vectors ctx [B, S, H] at positions pos [B, S]."""
+        return [layer.self_attn.kv(ctx, pos, self.inv_freq) for layer in self.layers]
+
+    def forward_blocks(
+        self, x: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Tensor
+    ) -> Tensor:
+        """Block rows x [B, Q, H] at pos [B, Q] -> final-normed hidden [B, Q, H]."""
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, pos, k, v, mask, self.inv_freq)
+        return self.norm(x)
+
+    def block_inputs(self, anchor_ids: Tensor, anchor_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """[anchor, MASK × (γ−1)] ids and positions for anchors [B, N] -> ([B, N·γ], [B, N·γ])."""
+        g = self.config.block_size
+        ids = torch.full((*anchor_ids.shape, g), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        ids[..., 0] = anchor_ids
+        pos = anchor_pos[..., None] + torch.arange(g, device=anchor_pos.device)
+        return ids.flatten(1), pos.flatten(1)
+
+    def forward_train(self, input_ids: Tensor, aux_hidden: Tensor, anchors: Tensor) -> Tensor:
+        """All anchor blocks of each sequence in one forward.
+
+        input_ids [B, S], aux_hidden [B, S, K·H] (token p's capture at position p), anchors [B, N] positions.
+        Returns h [B, N, γ, H]: slot k of block n predicts token anchors[n] + k + 1.
+        """
+        B, S = input_ids.shape
+        ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
+        ctx_kv = self.context_kv(self.project_context(aux_hidden), ctx_pos)
+        anchor_ids = input_ids.gather(1, anchors)
+        ids, pos = self.block_inputs(anchor_ids, anchors)
+        mask = block_attention_mask(anchors, S, self.config.block_size)
+        h = self.forward_blocks(self.embed(ids), pos, ctx_kv, mask)
+        return h.view(B, anchors.shape[1], self.config.block_size, -1)
+
+    def forward_step(self, anchor_ids: Tensor, cache: DraftContextCache) -> Tensor:
+        """One block per request at inference: anchors [B] at positions cache.lengths -> h [B, γ, H]."""
+        ids, pos = self.block_inputs(anchor_ids[:, None], cache.lengths[:, None])
+        mask = block_attention_mask(cache.lengths[:, None], cache.capacity, self.config.block_size)
+        return self.forward_blocks(self.embed(ids), pos, cache.kv(), mask)
+
+
+class DraftContextCache:
+    """Context K/V of committed tokens for every draft layer, one row per request (ragged, right-padded)."""
+
+    def __init__(self, draft: DSparkDraft, batch_size: int, device: torch.device | str, dtype: torch.dtype):
+        c = draft.config
+        self.draft = draft
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        shape = (batch_size, c.num_key_value_heads, 0, c.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def kv(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.k, self.v, strict=True))
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        extra = max(needed - self.capacity, 64)
+        pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:2], extra, t.shape[3])), dim=2)
+        self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
+
+    @torch.no_grad()
+    def append(self, aux_hidden: Tensor, counts: Tensor) -> None:
+        """Add context for the first counts[b] rows of aux_hidden [B, n, K·H] after each request's committed tokens."""
+        B, n, _ = aux_hidden.shape
+        pos = self.lengths[:, None] + torch.arange(n, device=aux_hidden.device)
+        new_kv = self.draft.context_kv(self.draft.project_context(aux_hidden), pos)
+        self._grow(int((self.lengths + counts).max()))
+        for b in range(B):
+            s, m = int(self.lengths[b]), int(counts[b])
+            for (k, v), ck, cv in zip(new_kv, self.k, self.v, strict=True):
+                ck[b, :, s : s + m] = k[b, :, :m]
+                cv[b, :, s : s + m] = v[b, :, :m]
+        self.lengths += counts.to(self.lengths.device)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
