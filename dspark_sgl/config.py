@@ -174,6 +174,14 @@ class DSparkConfig:
             "dflash_config": dict(dspark),
             "dspark_config": dict(dspark),
         }
+        if out["num_target_layers"] is None:  # SpecForge evaluates it eagerly; max id + 1 is a lower bound
+            out["num_target_layers"] = max(self.target_layer_ids) + 1
+            for nested in ("dflash_config", "dspark_config"):
+                out[nested]["num_target_layers"] = out["num_target_layers"]
+        # SpecForge refuses MHA drafts unless told (dspark.py:297).
+        out["dflash_config"]["attention_mode"] = (
+            "mha" if self.num_key_value_heads == self.num_attention_heads else "gqa"
+        )
         if self.sts_temperatures is None:
             out.pop("sts_temperatures")
         return out

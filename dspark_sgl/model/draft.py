@@ -331,17 +331,19 @@ class DraftContextCache:
         self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
 
     @torch.no_grad()
-    def append(self, aux_hidden: Tensor, counts: Tensor) -> None:
-        """Add context for the first counts[b] rows of aux_hidden [B, n, K·H] after each request's committed tokens."""
+    def append(self, aux_hidden: Tensor, counts: Tensor, start: Tensor | None = None) -> None:
+        """Add context for rows start[b] .. start[b]+counts[b]-1 of aux_hidden [B, n, K·H] (start defaults to 0),
+        placed right after each request's committed tokens."""
         B, n, _ = aux_hidden.shape
-        pos = self.lengths[:, None] + torch.arange(n, device=aux_hidden.device)
-        new_kv = self.draft.context_kv(self.draft.project_context(aux_hidden), pos)
+        start = torch.zeros_like(counts) if start is None else start
+        pos = self.lengths[:, None] - start[:, None] + torch.arange(n, device=aux_hidden.device)
+        new_kv = self.draft.context_kv(self.draft.project_context(aux_hidden), pos.clamp(min=0))
         self._grow(int((self.lengths + counts).max()))
         for b in range(B):
-            s, m = int(self.lengths[b]), int(counts[b])
+            s, a, m = int(self.lengths[b]), int(start[b]), int(counts[b])
             for (k, v), ck, cv in zip(new_kv, self.k, self.v, strict=True):
-                ck[b, :, s : s + m] = k[b, :, :m]
-                cv[b, :, s : s + m] = v[b, :, :m]
+                ck[b, :, s : s + m] = k[b, :, a : a + m]
+                cv[b, :, s : s + m] = v[b, :, a : a + m]
         self.lengths += counts.to(self.lengths.device)
 
 

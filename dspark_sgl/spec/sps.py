@@ -109,7 +109,7 @@ def default_token_counts(max_tokens: int) -> list[int]:
     (about 2·log2(max) forward passes)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    counts = {1, 2, 3, 4, max_tokens}
+    counts = {c for c in (1, 2, 3, 4, max_tokens) if c <= max_tokens}
     p = 4
     while p <= max_tokens:
         counts.update(c for c in (p, p + p // 2) if c <= max_tokens)

@@ -1,0 +1,45 @@
+"""Our `_handle_dspark`: validate the draft against the target, then pin the server args DSPARK needs.
+
+Replaces SGLang's handler (which refuses CPU and knows nothing of our checks). Runs in the launcher while SGLang
+resolves server args, so a bad draft stops start-up with one ConfigError before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dspark_sgl.sglang.checks import TargetFacts, check_draft
+
+logger = logging.getLogger(__name__)
+SOURCE = "dspark_sgl.handle_dspark_args"
+SUPPORTED_DEVICES = ("cuda", "cpu")
+
+
+def handle_dspark_args(server_args) -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    device = str(cfg.device or "cuda")
+    if not device.startswith(SUPPORTED_DEVICES):
+        raise ValueError(f"dspark-sgl DSPARK runs on {SUPPORTED_DEVICES}, not device={device!r}")
+    if cfg.speculative_draft_model_path is None:
+        raise ValueError("DSPARK needs --speculative-draft-model-path (a dspark-sgl or SGLang DSpark draft folder)")
+    for flag, value in (("--pp-size", cfg.pp_size), ("--dp-size", cfg.dp_size)):
+        if value not in (None, 1):
+            raise ValueError(f"dspark-sgl DSPARK does not support {flag} {value} yet")
+    draft = check_draft(
+        cfg.speculative_draft_model_path,
+        TargetFacts.from_path(cfg.model_path),
+        block_size=cfg.speculative_dspark_block_size,
+        num_draft_tokens=cfg.speculative_num_draft_tokens,
+    )
+    declare_resolution(
+        server_args,
+        SOURCE,
+        speculative_num_steps=1,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=draft.block_size + 1,
+    )
+    if cfg.max_running_requests is None:
+        declare_resolution(server_args, SOURCE, max_running_requests=48)
+    logger.info("dspark-sgl DSPARK: draft %s, block size %d", cfg.speculative_draft_model_path, draft.block_size)

@@ -1,0 +1,64 @@
+"""Draft context K/V kept beside SGLang's target KV cache, indexed by the same slot ids.
+
+Every committed token (prompt tokens, each step's anchor and accepted drafts) gets its context K/V written at the
+slot where the target wrote its own KV. SGLang's allocator, radix cache, retraction and chunked prefill therefore
+manage the draft context for free: a slot that holds a token's target KV holds its draft context too, and a slot
+that is freed and reused is overwritten by the next write to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark_sgl.model.draft import DSparkDraft
+
+
+@dataclass
+class GatheredContext:
+    """One decode step's view of the pool, in the shape `DSparkDraft.forward_step` reads (as DraftContextCache)."""
+
+    lengths: Tensor  # [B] committed tokens with context K/V
+    k: list[Tensor]  # per layer [B, kv_heads, S, d]
+    v: list[Tensor]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def kv(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.k, self.v, strict=True))
+
+
+class DraftContextPool:
+    def __init__(self, draft: DSparkDraft, num_slots: int, device: torch.device | str, dtype: torch.dtype):
+        c = draft.config
+        self.draft = draft
+        shape = (c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @torch.no_grad()
+    def write(self, slots: Tensor, aux_hidden: Tensor, positions: Tensor) -> None:
+        """Context K/V of tokens with target aux hidden [N, K·H] at absolute positions [N] into slots [N]."""
+        if slots.numel() == 0:
+            return
+        ctx = self.draft.project_context(aux_hidden)[None]  # [1, N, H]
+        slots = slots.long()
+        for layer, (k, v) in enumerate(self.draft.context_kv(ctx, positions.long()[None])):
+            self.k[layer, slots] = k[0].transpose(0, 1).to(self.k.dtype)  # [N, kv_heads, d]
+            self.v[layer, slots] = v[0].transpose(0, 1).to(self.v.dtype)
+
+    def gather(self, req_to_token: Tensor, req_pool_indices: Tensor, lengths: Tensor) -> GatheredContext:
+        """Context of each request's first lengths[b] tokens, right-padded to the longest (padding is masked)."""
+        width = max(int(lengths.max()), 1)
+        slots = req_to_token[req_pool_indices.long(), :width].long().clamp(0, self.num_slots - 1)  # [B, S]
+        k = [self.k[layer][slots].transpose(1, 2) for layer in range(self.k.shape[0])]
+        v = [self.v[layer][slots].transpose(1, 2) for layer in range(self.v.shape[0])]
+        return GatheredContext(lengths.long(), k, v)

@@ -1,0 +1,52 @@
+"""`sglang.srt.plugins` entry point: `--speculative-algorithm DSPARK` runs this project's worker.
+
+SGLang 0.5.23 ships a builtin DSPARK whose name is reserved, so we take it over through SGLang's HookRegistry:
+REPLACE the worker class that `SpeculativeAlgorithm.create_worker` imports at call time
+(`...dspark_components.dspark_worker_v2.DSparkWorkerV2`) and the argument handler that `handle_server_args`
+imports at call time (`...arg_groups.speculative_hook._handle_dspark`, which refuses CPU). On an SGLang without a
+builtin DSPARK the name is registered directly.
+
+Switch back to the builtin: leave `dspark` out of SGLANG_PLUGINS (SGLang's own plugin whitelist, e.g.
+`SGLANG_PLUGINS=none`); SGLang then never loads this plugin in any process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PLUGIN_NAME = "dspark"  # the entry-point name SGLANG_PLUGINS matches
+WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2"
+ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
+
+
+def _announce(message: str) -> None:
+    # load_plugins() runs before SGLang configures logging in every process, so a logger line would be dropped.
+    print(f"[dspark-sgl pid={os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
+def _has_builtin_dspark() -> bool:
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return "DSPARK" in SpeculativeAlgorithm.__members__
+
+
+def load() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from dspark_sgl.sglang.args import handle_dspark_args
+    from dspark_sgl.sglang.worker import DSparkWorker
+
+    if _has_builtin_dspark():
+        HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
+        HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)
+        how = "replaces SGLang's builtin DSPARK worker and argument handler"
+    else:
+        from dspark_sgl.sglang.compat import register_dspark
+
+        register_dspark(DSparkWorker, handle_dspark_args)
+        how = "registers DSPARK (this SGLang has no builtin)"
+    _announce(
+        f"plugin {PLUGIN_NAME!r} loaded: --speculative-algorithm DSPARK runs dspark_sgl.sglang.worker.DSparkWorker "
+        f"({how}); leave {PLUGIN_NAME!r} out of SGLANG_PLUGINS to get the builtin back"
+    )

@@ -1,0 +1,287 @@
+"""The DSPARK speculative worker for SGLang (V2 spec-worker schema), built on the shared dspark_sgl core.
+
+One scheduler step, with SGLang owning every KV slot:
+
+    prefill : target extend with aux capture (ids = OUTPUT of decoder layer i) -> draft context K/V at the
+              prompt's slots; the target's sampled token is the first anchor
+    decode  : draft block [anchor, MASK...] over the context (DSparkDraft.forward_step) -> Markov rollout
+              -> target TARGET_VERIFY over [anchor, x_1..x_γ] in SGLang's pre-allocated window
+              -> shared acceptance rule -> commit anchor + accepted (target KV and draft context at the same slots)
+              -> emit accepted + bonus; the bonus is the next anchor
+
+The DSpark math (draft forward, rollout, acceptance) comes from dspark_sgl.model / dspark_sgl.spec; SGLang
+supplies the verify window, the verify forward, the target distribution (its own top-k/top-p processing) and the
+per-request bookkeeping (accept lengths, histograms, /server_info).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import (
+    apply_dflash_verify_logits_adjustments,
+    build_speculative_verify_target_probs,
+)
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify_window
+
+from dspark_sgl.model.checkpoint import load_draft
+from dspark_sgl.sglang.context import DraftContextPool
+from dspark_sgl.spec.accept import Acceptance, block_accept, greedy_accept, rejection_accept
+from dspark_sgl.spec.markov import Proposal, rollout
+from dspark_sgl.spec.sampling import draft_probs
+
+logger = logging.getLogger(__name__)
+
+
+class DSparkWorker(BaseSpecWorker):
+    """Drop-in for SGLang's DSparkWorkerV2: same constructor, same GenerationBatchResult contract."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **_unused):
+        super().__init__()
+        self.server_args = server_args
+        self.gpu_id, self.nccl_port = gpu_id, nccl_port
+        self._target_worker = target_worker
+        self._draft_worker = None  # no SGLang draft runner: the draft is a plain torch module
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+        spec = get_spec()
+        self.draft = load_draft(spec.speculative_draft_model_path, device=self.device, dtype=self.model_runner.dtype)
+        self.gamma = self.draft.config.block_size
+        self.verify_width = self.gamma + 1
+        if int(spec.speculative_num_draft_tokens) != self.verify_width:
+            raise ValueError(
+                f"speculative_num_draft_tokens={spec.speculative_num_draft_tokens} but the draft's block_size + 1 "
+                f"= {self.verify_width}"
+            )
+        captured = list(self.model_runner.spec_aux_config.dflash_target_layer_ids or [])
+        if captured != self.draft.config.target_layer_ids:
+            raise ValueError(f"target captures layers {captured}, draft expects {self.draft.config.target_layer_ids}")
+        self._bind_target_heads()
+        self.block_verification = bool(spec.speculative_use_block_verification)
+        self.generator = torch.Generator(device=self.device).manual_seed(int(target_worker.random_seed))
+        self.block_pos_offsets = torch.arange(self.verify_width, device=self.device)
+        self.context: DraftContextPool | None = None  # sized in alloc_memory_pool, once SGLang's pool exists
+        logger.info(
+            "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests",
+            self.gamma,
+            self.draft.config.target_layer_ids,
+            "block" if self.block_verification else "token-wise rejection",
+        )
+
+    def __getattr__(self, name):  # like the builtin: anything else the scheduler asks is the target worker's
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    def _bind_target_heads(self) -> None:
+        """Share the target's embedding and lm_head; under TP the head shards are gathered once (untested)."""
+        target = self.model_runner.model
+        embed = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else target.model.embed_tokens
+        weight = target.lm_head.weight
+        if get_parallel().tp_size > 1:
+            from sglang.srt.distributed import tensor_model_parallel_all_gather
+
+            weight = tensor_model_parallel_all_gather(weight, dim=0)
+        weight = weight[: self.draft.config.vocab_size]
+        self.draft.bind_target(embed, SimpleNamespace(weight=weight))
+
+    # ---- hooks the scheduler calls on a DSPARK worker -------------------------------------------------------
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+        super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
+        pool = self.model_runner.token_to_kv_pool
+        self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.model_runner.dtype)
+
+    def dump_info_records(self):
+        return None
+
+    def clear_info_records(self) -> None:
+        pass
+
+    def block_accept_estimate_log_suffix(self):
+        return None
+
+    def set_dspark_forced_budget_frac(self, frac) -> None:
+        pass
+
+    def get_confidence_budget_prepare(self):
+        return None
+
+    # ---- one scheduler step ---------------------------------------------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, *, pp_proxy_tensors=None):
+        if batch.forward_mode.is_idle():
+            return self._idle_result(on_publish)
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._forward_prefill(batch, on_publish)
+        if batch.has_grammar:
+            raise NotImplementedError("dspark-sgl DSPARK does not support grammar-constrained requests yet")
+        return self._forward_decode(batch, on_publish)
+
+    @torch.no_grad()
+    def _forward_prefill(self, batch, on_publish) -> GenerationBatchResult:
+        slots = batch.out_cache_loc.clone()  # read before the forward: the radix cache may move it afterwards
+        positions = torch.cat(
+            [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)]
+        )
+        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        aux = out.logits_output.hidden_states
+        if aux is None or aux.shape[0] != slots.shape[0]:
+            raise RuntimeError(f"target returned no aux hidden states for the {slots.shape[0]} prefill tokens")
+        self.context.write(slots, aux, positions)
+        out.logits_output.hidden_states = None  # never copied to the host
+        out.new_seq_lens = batch.seq_lens
+        out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
+        if on_publish is not None:
+            on_publish(out.new_seq_lens)
+        return out
+
+    @torch.no_grad()
+    def _forward_decode(self, batch, on_publish) -> GenerationBatchResult:
+        draft_input: DFlashDraftInputV2 = batch.spec_info
+        bs, W = len(batch.seq_lens), self.verify_width
+        seq_lens = batch.seq_lens.long()
+        anchor = draft_input.bonus_tokens.view(-1).long()
+        window = alloc_verify_window(
+            batch=batch,
+            bs=bs,
+            device=self.device,
+            verify_num_draft_tokens=W,
+            block_pos_offsets=self.block_pos_offsets,
+            model_runner=self.model_runner,
+            seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
+        )
+        sampling = batch.sampling_info
+        greedy = (sampling.top_ks <= 1).view(-1).tolist()
+        temps = sampling.temperatures.view(-1).tolist()
+
+        ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens)
+        h = self.draft.forward_step(anchor, ctx)
+        prop = self._rollout(h, anchor, greedy, temps)
+
+        verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
+        logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids)
+        target_logits = logits_output.next_token_logits  # [bs·W, V], penalties/logit-bias applied
+        acc = self._accept(prop, target_logits, sampling, greedy, temps)
+
+        c = acc.num_accepted
+        cols = torch.arange(W, device=self.device)[None]
+        out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
+        out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
+        keep = cols <= c[:, None]  # the anchor and the accepted drafts now hold target KV: give them context
+        aux = logits_output.hidden_states.view(bs, W, -1)
+        self.context.write(window.verify_cache_loc_2d[keep], aux[keep], window.positions_2d[keep])
+        logits_output.hidden_states = None
+
+        if batch.return_logprob:
+            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
+        new_seq_lens = seq_lens + c + 1
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=(c + 1).to(torch.int32),
+            can_run_cuda_graph=can_run_graph,
+            next_draft_input=make_draft_input_v2(bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=W,
+            new_seq_lens=new_seq_lens,
+        )
+
+    def _rollout(self, h: Tensor, anchor: Tensor, greedy: list[bool], temps: list[float]) -> Proposal:
+        """The shared Markov rollout, run once per distinct draft temperature in the batch (0 for greedy rows)."""
+        row_temp = [0.0 if g else t for g, t in zip(greedy, temps, strict=True)]
+        parts = []
+        for temp in sorted(set(row_temp)):
+            rows = torch.tensor([i for i, t in enumerate(row_temp) if t == temp], device=self.device)
+            parts.append((rows, rollout(self.draft, h[rows], anchor[rows], temp, self.generator)))
+        if len(parts) == 1:
+            return parts[0][1]
+        first = parts[0][1]
+        tokens = torch.empty((h.shape[0], *first.tokens.shape[1:]), dtype=first.tokens.dtype, device=self.device)
+        logits = torch.empty((h.shape[0], *first.logits.shape[1:]), dtype=first.logits.dtype, device=self.device)
+        for rows, p in parts:
+            tokens[rows], logits[rows] = p.tokens, p.logits
+        return Proposal(tokens, logits, None)
+
+    def _verify(self, batch, draft_input, window, verify_ids: Tensor):
+        """SGLang's TARGET_VERIFY forward over [anchor, drafts] at the pre-allocated window slots."""
+        W = self.verify_width
+        verify_input = DFlashVerifyInput(
+            draft_token=verify_ids.reshape(-1),
+            positions=window.positions_2d.reshape(-1),
+            draft_token_num=W,
+            custom_mask=None,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            live_seq_lens_cpu=batch.seq_lens_cpu,
+            kv_loc_plan=window.kv_loc_plan,
+        )
+        batch.out_cache_loc = window.verify_cache_loc
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        if batch.seq_lens_cpu is not None:  # attention reads seq lens that include the verify window
+            batch.seq_lens_cpu = batch.seq_lens_cpu + W
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        elif draft_input.nxt_kv_lens_cpu is not None:
+            batch.seq_lens_cpu, batch.seq_lens_sum = draft_input.nxt_kv_lens_cpu, int(draft_input.nxt_kv_lens_sum)
+        forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
+        apply_dflash_verify_logits_adjustments(
+            next_token_logits=out.logits_output.next_token_logits,
+            sampling_info=batch.sampling_info,
+            draft_token_num=W,
+        )
+        return out.logits_output, out.can_run_cuda_graph
+
+    def _accept(self, prop: Proposal, target_logits: Tensor, sampling, greedy: list[bool], temps: list[float]):
+        """Greedy rows: leading run of argmax matches. Sampled rows: rejection (or block) verification against
+        the distribution SGLang itself samples from (temperature, top-k, top-p) and the draft's softmax(ℓ/T)."""
+        bs, W = prop.tokens.shape[0], self.verify_width
+        num_accepted = torch.zeros(bs, dtype=torch.long, device=self.device)
+        bonus = torch.zeros(bs, dtype=torch.long, device=self.device)
+
+        def put(rows: list[int], res: Acceptance) -> None:
+            idx = torch.tensor(rows, device=self.device)
+            num_accepted[idx], bonus[idx] = res.num_accepted, res.bonus
+
+        greedy_rows = [i for i in range(bs) if greedy[i]]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=self.device)
+            put(greedy_rows, greedy_accept(prop.tokens[idx], target_logits.view(bs, W, -1)[idx]))
+        if len(greedy_rows) < bs:
+            p = build_speculative_verify_target_probs(
+                next_token_logits=target_logits, sampling_info=sampling, draft_token_num=W, bs=bs
+            )
+            rule = block_accept if self.block_verification else rejection_accept
+            for temp in sorted({temps[i] for i in range(bs) if not greedy[i]}):
+                rows = [i for i in range(bs) if not greedy[i] and temps[i] == temp]
+                idx = torch.tensor(rows, device=self.device)
+                q = draft_probs(prop.logits[idx], temp)
+                put(rows, rule(prop.tokens[idx], q, p[idx].float(), None, self.generator))
+        return Acceptance(num_accepted, bonus)
+
+    def _idle_result(self, on_publish) -> GenerationBatchResult:
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if on_publish is not None:
+            on_publish(empty)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=empty,
+            accept_lens=empty.to(torch.int32),
+            can_run_cuda_graph=False,
+            next_draft_input=make_draft_input_v2(bonus_tokens=empty, new_seq_lens=empty),
+            speculative_num_draft_tokens=self.verify_width,
+            new_seq_lens=empty,
+        )
