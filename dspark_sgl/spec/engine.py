@@ -185,3 +185,33 @@ def _sync_time(t: Tensor) -> float:
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
     return time.perf_counter()
+
+
+def profile_target_sps(target: HFTarget, max_tokens: int, context: int = 128, repeats: int = 3):
+    """Steps/s of the target verify forward for 1..max_tokens new tokens after `context` cached tokens."""
+    from dspark_sgl.spec.sps import default_token_counts, profile_sps
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, context + max_tokens), generator=g).to(target.device)
+    kv = TargetKV(target, [ids[0, :context].tolist()])
+    kv.prefill()
+    zero = torch.zeros(1, dtype=torch.long, device=target.device)
+
+    def step(n: int) -> None:
+        kv.extend(ids[:, context : context + n])
+        kv.commit(n, zero)  # roll the probe tokens back
+
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else None
+    return profile_sps(step, default_token_counts(max_tokens), warmup=1, repeats=repeats, sync=sync)
+
+
+def confidence_planner(target: HFTarget, draft: DSparkDraft, sps_path=None, max_batch: int = 8):
+    """The `confidence` schedule: SPS table from sps_path (or profiled now), STS temperatures from the draft."""
+    from dspark_sgl.spec.scheduler import ConfidencePlanner
+    from dspark_sgl.spec.sps import SpsTable
+
+    if draft.confidence_head is None:
+        raise ValueError("--schedule confidence needs a draft with a confidence head")
+    sps = SpsTable.load(sps_path) if sps_path else profile_target_sps(target, max_batch * (draft.config.block_size + 1))
+    temps = draft.config.sts_temperatures
+    return ConfidencePlanner(sps, None if temps is None else torch.tensor(temps), "confidence")

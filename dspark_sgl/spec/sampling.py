@@ -35,7 +35,9 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def next_token(logits: Tensor, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
+def next_token(
+    logits: Tensor, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
     return sample(target_probs(logits, temperature, top_p), generator)

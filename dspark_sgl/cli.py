@@ -1,0 +1,191 @@
+"""`dspark`: thin command-line front end. Parses, calls the library, prints (rich) or emits JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="DSpark speculative decoding: draft, serve, train.")
+console = Console(stderr=True)
+
+TARGET = Annotated[str, typer.Option(help="Target HF folder, or `smollm2` for the embedded SmolLM2-135M-Instruct.")]
+DRAFT = Annotated[
+    str | None, typer.Option(help="DSpark draft folder, or `random` for a random-init draft (τ≈1).")
+]
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+@app.command("init-draft")
+def init_draft(
+    target: TARGET = "smollm2",
+    out: Annotated[Path, typer.Option(help="Folder to write the draft to.")] = Path("out/draft-random"),
+    layers: int = 1,
+    layer_ids: Annotated[str | None, typer.Option(help="Comma-separated target layer ids (default: spread).")] = None,
+    num_aux: int = 5,
+    markov_rank: int = 256,
+    markov_head: str = "vanilla",
+    block_size: int = 7,
+    mask_token_id: int | None = None,
+    intermediate_size: int | None = None,
+    seed: int = 0,
+) -> None:
+    """Write a random-init draft sized for a target."""
+    import torch
+
+    from dspark_sgl.config import ConfigError
+    from dspark_sgl.loading import init_draft_config, load_tokenizer, resolve_target_dir
+    from dspark_sgl.model import DSparkDraft
+    from dspark_sgl.model.draft import num_parameters
+
+    try:
+        tdir = resolve_target_dir(target)
+        ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
+        cfg = init_draft_config(tdir, load_tokenizer(tdir), layers, ids, num_aux, markov_rank, markov_head,
+                                block_size, mask_token_id, intermediate_size)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    torch.manual_seed(seed)
+    draft = DSparkDraft(cfg)
+    draft.save_pretrained(out)
+    console.print(f"wrote {out}: {num_parameters(draft) / 1e6:.2f} M parameters, layers {cfg.target_layer_ids}, "
+                  f"mask token {cfg.mask_token_id}, γ={cfg.block_size}")
+
+
+def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None):
+    from dspark_sgl.loading import load_pair
+    from dspark_sgl.spec.engine import SpecEngine
+
+    tgt, model, tok = load_pair(target, None if no_draft else (draft or "random"), dtype)
+    planner = None
+    if schedule == "confidence" and model is not None:
+        from dspark_sgl.spec.engine import confidence_planner
+
+        planner = confidence_planner(tgt, model, sps)
+    elif schedule != "static":
+        _fail(f"--schedule must be static or confidence, got {schedule!r}")
+    return SpecEngine(tgt, model, planner), tok
+
+
+@app.command()
+def generate(
+    target: TARGET = "smollm2",
+    draft: DRAFT = None,
+    prompt: Annotated[str | None, typer.Option(help="Raw prompt text (no chat template).")] = None,
+    chat: Annotated[str | None, typer.Option(help="A user message, wrapped in the target's chat template.")] = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    acceptance: Annotated[str, typer.Option(help="rejection | block (sampling only).")] = "rejection",
+    schedule: Annotated[str, typer.Option(help="static | confidence.")] = "static",
+    sps_table: Path | None = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")] = False,
+    dtype: str = "float32",
+    seed: int = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+) -> None:
+    """Generate with the target, speculatively with a DSpark draft unless --no-draft."""
+    from dspark_sgl.loading import encode_prompt, eos_ids
+    from dspark_sgl.spec.engine import SamplingConfig
+
+    if (prompt is None) == (chat is None):
+        _fail("give exactly one of --prompt or --chat")
+    if acceptance not in ("rejection", "block"):
+        _fail(f"--acceptance must be rejection or block, got {acceptance!r}")
+    try:
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table)
+        ids = encode_prompt(tok, chat if chat is not None else prompt, chat is not None)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if draft is None and not no_draft:
+        console.print("[yellow]no --draft given: using a random-init draft (τ≈1); pass --no-draft for the baseline")
+    t0 = time.perf_counter()
+    (g,) = engine.generate([ids], max_new_tokens, SamplingConfig(temperature, top_p, acceptance, seed),
+                           eos_ids(tok, engine.target))
+    dt = time.perf_counter() - t0
+    text = tok.decode(g.token_ids, skip_special_tokens=True)
+    result = {"text": text, "token_ids": g.token_ids, "tau": g.stats.tau, "tokens_per_s": len(g.token_ids) / dt,
+              "per_position_accept": g.stats.per_position_accept, "accept_hist": g.stats.accept_hist,
+              "draft_s": g.stats.draft_s, "verify_s": g.stats.verify_s, "speculative": engine.draft is not None}
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    sys.stdout.write(text + "\n")
+    mode = "DSpark" if engine.draft is not None else "plain target"
+    console.print(f"[bold]{mode}[/]: {len(g.token_ids)} tokens in {dt:.2f} s = {result['tokens_per_s']:.1f} tok/s, "
+                  f"τ = {g.stats.tau:.2f} (draft {g.stats.draft_s:.2f} s / verify {g.stats.verify_s:.2f} s)")
+
+
+@app.command("eval")
+def eval_cmd(
+    data: Annotated[list[Path], typer.Option(help='JSONL of {"turns": [...]} records; repeatable.')],
+    target: TARGET = "smollm2",
+    draft: DRAFT = None,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    acceptance: str = "rejection",
+    schedule: str = "static",
+    sps_table: Path | None = None,
+    batch_size: int = 1,
+    no_draft: Annotated[bool, typer.Option("--no-draft")] = False,
+    dtype: str = "float32",
+    seed: int = 0,
+    json_out: Path | None = None,
+) -> None:
+    """Acceptance (τ, per-position) and speed over benchmark prompt files."""
+    from dspark_sgl.evaluate import evaluate_dataset, report_dict
+    from dspark_sgl.loading import eos_ids
+    from dspark_sgl.spec.engine import SamplingConfig
+
+    try:
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    reports = []
+    for path in data:
+        try:
+            rep, _ = evaluate_dataset(engine, tok, path, limit, max_new_tokens,
+                                      SamplingConfig(temperature, top_p, acceptance, seed), eos_ids(tok, engine.target),
+                                      batch_size)
+        except (FileNotFoundError, ValueError) as e:
+            _fail(str(e))
+        reports.append(rep)
+    table = Table(title=f"DSpark eval (T={temperature}, γ={engine.gamma})")
+    for col in ("dataset", "prompts", "τ", "tok/s", *(f"a{k}" for k in range(1, engine.gamma + 1))):
+        table.add_column(col, justify="right")
+    for r in reports:
+        table.add_row(r.name, str(r.prompts), f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}",
+                      *(f"{a:.2f}" for a in r.per_position_accept))
+    Console().print(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report_dict(reports, target=target, draft=draft, temperature=temperature,
+                                                   schedule=schedule), indent=2))
+
+
+def _register_plugins() -> None:
+    """Commands that live outside the core (quantization tools, the trainer) register through entry points."""
+    from dspark_sgl.tools.cli_tools import register as register_tools
+
+    register_tools(app)
+    for ep in entry_points(group="dspark_sgl.cli"):
+        ep.load()(app)
+
+
+_register_plugins()
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,86 @@
+"""Acceptance evaluation over `{"turns": [...]}` JSONL files (the first turn, through the target's chat template)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark_sgl.loading import encode_prompt
+from dspark_sgl.spec.engine import Generation, SamplingConfig, SpecEngine
+
+
+@dataclass
+class DatasetReport:
+    name: str
+    prompts: int
+    tau: float  # mean accepted + bonus per verify step, pooled over all steps
+    tau_per_request: float  # mean over requests of each request's τ
+    per_position_accept: list[float]  # P(draft k accepted), k = 1..γ, pooled over steps
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    draft_s: float
+    verify_s: float
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"eval data {path} does not exist")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turn = rec["turns"][0]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}:{i + 1} is not a {{\"turns\": [...]}} record: {e}") from e
+        out.append(turn if isinstance(turn, str) else turn.get("content", ""))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def summarize(name: str, gens: list[Generation], seconds: float, gamma: int) -> DatasetReport:
+    steps = [c for g in gens for c in g.stats.accepted]
+    n = max(len(steps), 1)
+    tokens = sum(len(g.token_ids) for g in gens)
+    return DatasetReport(
+        name=name,
+        prompts=len(gens),
+        tau=1.0 + sum(steps) / n,
+        tau_per_request=sum(g.stats.tau for g in gens) / max(len(gens), 1),
+        per_position_accept=[sum(c >= k for c in steps) / n for k in range(1, gamma + 1)],
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / max(seconds, 1e-9),
+        draft_s=sum(g.stats.draft_s for g in gens) / max(len(gens), 1),
+        verify_s=sum(g.stats.verify_s for g in gens) / max(len(gens), 1),
+    )
+
+
+def evaluate_dataset(
+    engine: SpecEngine,
+    tokenizer,
+    path: str | Path,
+    limit: int | None,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos: set[int],
+    batch_size: int = 1,
+) -> tuple[DatasetReport, list[Generation]]:
+    prompts = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(path, limit)]
+    gens: list[Generation] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        gens += engine.generate(prompts[i : i + batch_size], max_new_tokens, sampling, eos)
+    return summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma), gens
+
+
+def report_dict(reports: list[DatasetReport], **meta) -> dict:
+    return {"meta": meta, "datasets": [asdict(r) for r in reports]}

@@ -1,0 +1,136 @@
+"""export-gguf: llama.cpp dflash names and metadata; every tensor read back bit-for-bit with `gguf`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_sgl.config import DSparkConfig
+from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.tools.gguf_export import ExportError, export_gguf, gguf_name
+
+gguf = pytest.importorskip("gguf")
+
+
+def tiny(**kw) -> DSparkConfig:
+    base = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=48,
+        vocab_size=64,
+        block_size=7,
+        target_layer_ids=[0, 2],
+        num_target_layers=4,
+        mask_token_id=63,
+        markov_rank=8,
+    )
+    return DSparkConfig(**(base | kw))
+
+
+@pytest.fixture
+def bf16_draft(tmp_path):
+    torch.manual_seed(0)
+    folder = tmp_path / "draft"
+    DSparkDraft(tiny()).to(torch.bfloat16).save_pretrained(folder)
+    # A peer checkpoint that ships the target's embedding and lm_head (card 003): they must be stripped.
+    state = load_file(str(folder / "model.safetensors"))
+    state["embed_tokens.weight"] = torch.randn(64, 32).to(torch.bfloat16)
+    state["lm_head.weight"] = torch.randn(64, 32).to(torch.bfloat16)
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def field(reader, key):
+    return reader.fields[key].contents()
+
+
+def test_every_tensor_round_trips_bit_for_bit(bf16_draft, tmp_path):
+    summary = export_gguf(bf16_draft, tmp_path / "d.gguf")
+    assert summary.stripped == ["embed_tokens.weight", "lm_head.weight"]
+    source = {
+        k: v
+        for k, v in load_file(str(bf16_draft / "model.safetensors")).items()
+        if not k.startswith(("embed_tokens", "lm_head"))
+    }
+    reader = gguf.GGUFReader(str(tmp_path / "d.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    assert sorted(tensors) == sorted(summary.tensors.values()) and len(tensors) == len(source)
+    assert not any("token_embd" in n or n == "output.weight" for n in tensors)
+    for name, t in source.items():
+        r = tensors[gguf_name(name)]
+        assert [int(d) for d in reversed(r.shape)] == list(t.shape), name  # GGUF stores ne (reversed) dims
+        if t.dim() == 2 and t.dtype == torch.bfloat16:
+            assert r.tensor_type == gguf.GGMLQuantizationType.BF16
+            assert np.array_equal(r.data.reshape(-1), t.contiguous().view(torch.uint8).numpy().reshape(-1)), (
+                name
+            )
+        else:  # 1-D norms/biases are widened to F32 (exact); the fp32 confidence head stays F32
+            assert r.tensor_type == gguf.GGMLQuantizationType.F32
+            assert np.array_equal(r.data.reshape(t.shape), t.float().numpy()), name
+
+
+def test_names_and_metadata_llama_cpp_reads(bf16_draft, tmp_path):
+    export_gguf(bf16_draft, tmp_path / "d.gguf")
+    r = gguf.GGUFReader(str(tmp_path / "d.gguf"))
+    names = {t.name for t in r.tensors}
+    assert {
+        "fc.weight",
+        "enc.output_norm.weight",
+        "output_norm.weight",
+        "markov_w1.weight",
+        "markov_w2.weight",
+        "conf_proj.weight",
+        "conf_proj.bias",
+        "blk.1.attn_q.weight",
+        "blk.1.attn_output.weight",
+        "blk.1.attn_q_norm.weight",
+        "blk.0.ffn_norm.weight",
+        "blk.0.ffn_down.weight",
+    } <= names
+    shapes = {t.name: [int(d) for d in t.shape] for t in r.tensors}
+    assert shapes["markov_w1.weight"] == [8, 64] and shapes["markov_w2.weight"] == [8, 64]  # {R, n_vocab}
+    assert shapes["conf_proj.weight"] == [32 + 8, 1] and shapes["fc.weight"] == [
+        64,
+        32,
+    ]  # {n_embd+R,1}, {K·n,n}
+    assert field(r, "general.architecture") == "dflash"
+    assert field(r, "dflash.target_layers") == [0, 2]
+    assert field(r, "dflash.block_size") == 7 and field(r, "dflash.mask_token_id") == 63
+    assert field(r, "dflash.markov_rank") == 8 and field(r, "dflash.markov_head_type") == "vanilla"
+    assert field(r, "dflash.enable_confidence_head") is True
+    assert field(r, "dflash.attention.causal") is False
+    assert field(r, "dflash.block_count") == 2 and field(r, "dflash.embedding_length") == 32
+    assert field(r, "dflash.attention.head_count_kv") == 1 and field(r, "dflash.target_hidden_size") == 32
+    assert field(r, "general.file_type") == 32  # MOSTLY_BF16
+
+
+def test_dspark_arch_and_sts_temperatures(tmp_path):
+    folder = tmp_path / "d"
+    DSparkDraft(tiny(markov_head_type="gated")).save_pretrained(folder)
+    (folder / "sts.json").write_text(json.dumps({"temperatures": [1.0 + i / 10 for i in range(7)]}))
+    export_gguf(folder, tmp_path / "d.gguf", arch="dspark")
+    r = gguf.GGUFReader(str(tmp_path / "d.gguf"))
+    assert field(r, "general.architecture") == "dspark" and field(r, "dspark.markov_head_type") == "gated"
+    assert field(r, "dspark.sts_temperatures") == pytest.approx([1.0 + i / 10 for i in range(7)])
+    assert {"markov_gate.weight", "markov_gate.bias"} <= {t.name for t in r.tensors}
+    assert field(r, "general.file_type") == 0  # all F32
+
+
+def test_rejects_quantized_and_unknown(bf16_draft, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from dspark_sgl.tools.quantize import quantize_draft
+
+    quantize_draft(bf16_draft, tmp_path / "q", scheme="fp8")
+    with pytest.raises(ExportError, match="compressed-tensors checkpoint"):
+        export_gguf(tmp_path / "q", tmp_path / "q.gguf")
+    with pytest.raises(ExportError, match="arch must be one of"):
+        export_gguf(bf16_draft, tmp_path / "x.gguf", arch="llama")
+    with pytest.raises(ExportError, match="no GGUF name"):
+        gguf_name("layers.0.self_attn.rotary.weight")

@@ -1,0 +1,250 @@
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark_sgl.spec.accept import ACCEPT_RULES
+from dspark_sgl.spec.markov import Proposal
+from dspark_sgl.spec.scheduler import (
+    ConfidencePlanner,
+    confidence_verify_lengths,
+    first_non_improvement,
+    lengths_from_admitted,
+    rank_candidates,
+    schedule,
+    throughput_curve,
+)
+from dspark_sgl.spec.sps import SpsTable
+
+FLAT = SpsTable([1], [100.0])
+
+
+def slow_schedule(conf, sps):
+    """Algorithm 1 as written in the paper: one candidate at a time, break at the first non-improvement."""
+    num_req, gamma = len(conf), len(conf[0])
+    survival = [
+        [math.prod(max(0.0, min(1.0, c)) for c in row[: j + 1]) for j in range(gamma)] for row in conf
+    ]
+    ranked = sorted(
+        ((survival[r][j], j, r) for r in range(num_req) for j in range(gamma)),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
+    batch, tau = num_req, float(num_req)
+    best = tau * sps(batch)
+    admitted = []
+    for a, j, r in ranked:
+        theta = (tau + a) * sps(batch + 1)
+        if not theta > best:
+            break
+        batch, tau, best = batch + 1, tau + a, theta
+        admitted.append((r, j))
+    for r, j in admitted:  # the ranking must make every admitted set a per-request prefix
+        assert all((r, i) in admitted for i in range(j))
+    return [1 + sum(1 for rr, _ in admitted if rr == r) for r in range(num_req)]
+
+
+def peek_ahead_lengths(conf, sps):
+    """DELIBERATELY WRONG: admit the global argmax of Theta over all k instead of stopping early. It looks
+    at candidates ranked below (r, j), whose survival depends on the draft token x[r, j] under test."""
+    a_sorted, request_ids, _ = rank_candidates(conf)
+    theta = throughput_curve(a_sorted, conf.shape[0], sps)
+    return lengths_from_admitted(request_ids, theta.argmax(), conf.shape[0])
+
+
+def test_single_request_edges():
+    steep = SpsTable([1, 2, 3], [100.0, 40.0, 10.0])
+    assert schedule(torch.zeros(1, 7), FLAT).tolist() == [1]
+    assert schedule(torch.ones(1, 7), FLAT).tolist() == [8]
+    assert schedule(torch.ones(1, 7), steep).tolist() == [1]  # 2 * 40 < 1 * 100
+    assert schedule(torch.tensor([[0.9, 0.0, 1.0]]), FLAT).tolist() == [2]
+    assert schedule(torch.full((1, 3), float("nan")), FLAT).tolist() == [1]
+    assert schedule(torch.rand(1, 7), FLAT, "static").tolist() == [8]
+    assert schedule(torch.zeros(0, 7), FLAT).tolist() == []
+    assert schedule(torch.zeros(3, 0), FLAT).tolist() == [1, 1, 1]
+
+
+def test_all_one_confidence_follows_the_sps_knee():
+    # Theta_k = (R + k) * SPS(R + k) with R = 2: 200, 300, 400, 500, 480 -> admit 3
+    sps = SpsTable([2, 5, 6], [100.0, 100.0, 80.0])
+    assert sorted(schedule(torch.ones(2, 4), sps).tolist()) == [2, 3]
+
+
+def test_ties_are_broken_by_position_then_request():
+    # every request has survivals (0.5, 0.25); Theta = 3, 3.5, 4, 3.6 -> admit exactly two candidates
+    sps = SpsTable([3, 6], [1.0, 0.8])
+    conf = torch.full((3, 2), 0.5)
+    assert schedule(conf, sps).tolist() == [2, 2, 1]
+    _, req, pos = rank_candidates(conf)
+    assert req.tolist() == [0, 1, 2, 0, 1, 2] and pos.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_ranking_is_prefix_closed_with_ties_and_ones():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        conf = torch.randint(0, 4, (5, 6), generator=gen).float() / 3  # many exact ties, zeros and ones
+        _, req, pos = rank_candidates(conf)
+        seen = set()
+        for r, j in zip(req.tolist(), pos.tolist(), strict=True):
+            assert j == 0 or (r, j - 1) in seen
+            seen.add((r, j))
+
+
+def test_matches_the_loop_reference_on_random_inputs():
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        num_req, gamma = rng.randint(1, 9), rng.randint(1, 8)
+        conf = torch.rand(num_req, gamma, generator=gen) ** rng.choice([0.2, 1.0, 3.0])
+        if trial % 5 == 0:
+            conf = (conf * 4).round() / 4  # exact ties
+        population = range(1, num_req * (gamma + 1) + 3)
+        counts = sorted(rng.sample(population, min(len(population), rng.randint(1, 6))))
+        rates = sorted((rng.uniform(1, 100) for _ in counts), reverse=True)
+        sps = SpsTable(counts, rates)
+        if trial % 7 == 0:
+            sps = SpsTable(counts, [rng.uniform(1, 100) for _ in counts])  # not monotone: still must agree
+        got = confidence_verify_lengths(conf, sps)
+        assert got.tolist() == slow_schedule(conf.tolist(), sps), (conf, sps)
+        assert got.dtype == torch.long and int(got.min()) >= 1 and int(got.max()) <= gamma + 1
+
+
+def test_first_non_improvement_stops_at_the_first_dip():
+    assert int(first_non_improvement(torch.tensor([1.0, 2.0, 1.5, 3.0]))) == 1
+    assert int(first_non_improvement(torch.tensor([1.0, 1.0, 3.0]))) == 0  # ties do not improve
+    assert int(first_non_improvement(torch.tensor([1.0, 2.0, 3.0]))) == 2
+    assert int(first_non_improvement(torch.tensor([1.0]))) == 0
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="requests, gamma"):
+        schedule(torch.rand(7), FLAT)
+    with pytest.raises(ValueError, match="requests, gamma"):
+        schedule(torch.ones(2, 3, dtype=torch.long), FLAT)
+    with pytest.raises(ValueError, match="SPS table"):
+        schedule(torch.rand(2, 3), None)
+    with pytest.raises(ValueError, match="unknown schedule policy"):
+        schedule(torch.rand(2, 3), FLAT, "greedy")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    conf = torch.rand(64, 7, device="cuda")
+    sps = SpsTable([1, 64, 256, 512], [100.0, 90.0, 50.0, 20.0])
+    schedule(conf, sps)  # first call copies the table to the device (once)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lengths = schedule(conf, sps)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert lengths.device.type == "cuda"
+    assert lengths.tolist() == schedule(conf.cpu(), sps).tolist()
+
+
+def test_planner_applies_sts_then_schedules():
+    logits = torch.tensor([[4.0, 4.0, -4.0]])  # confidences 0.98, 0.98, 0.02
+    prop = Proposal(
+        tokens=torch.zeros(1, 3, dtype=torch.long), logits=torch.zeros(1, 3, 5), conf_logits=logits
+    )
+    sps = SpsTable([1, 2, 3, 4], [1.0, 0.9, 0.65, 0.5])
+    assert ConfidencePlanner(sps)(prop).tolist() == [3]  # Theta: 1, 1.78, 1.91, 1.48
+    # T_2 = 40 turns c_2 into sigmoid(0.1) = 0.52: Theta 1, 1.78, 1.62 -> only the first draft
+    assert ConfidencePlanner(sps, torch.tensor([1.0, 40.0, 1.0]))(prop).tolist() == [2]
+    assert ConfidencePlanner(None, policy="static")(prop).tolist() == [4]
+    with pytest.raises(ValueError, match="confidence head"):
+        ConfidencePlanner(sps)(Proposal(prop.tokens, prop.logits, None))
+    with pytest.raises(ValueError, match="SPS table"):
+        ConfidencePlanner(None)
+    with pytest.raises(ValueError, match="unknown schedule policy"):
+        ConfidencePlanner(sps, policy="all")
+
+
+# --- Losslessness: a toy speculative decoder whose verify length depends on the drafted tokens ------------
+# Target and draft are Markov chains over 3 tokens; the "confidence head" is a fixed function of the
+# previous token, c_k = G[x_{k-1}], so c_{k+1} depends on the draft token x_k. From anchor 2 (c_1 = 0.5)
+# Theta_1 = 1.5 * 0.6 < Theta_0 = 1, so Algorithm 1 verifies nothing; peek-ahead sees Theta_2 > 1 exactly
+# when x_1 = 0 (c_2 = 0.9), so it tests x_1 only when x_1 = 0 and the first token comes out as 0 with
+# probability Q(0)·min(1, P(0)/Q(0)) + (1 - Q(0))·P(0) = 0.45 instead of P(0) = 0.3. From anchor 0 both
+# schedulers verify 1..3 drafts depending on the drafted tokens, which the exact scheduler must handle.
+P = torch.tensor([[0.5, 0.2, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]], dtype=torch.float64)
+Q = torch.tensor([[0.6, 0.2, 0.2], [0.3, 0.4, 0.3], [0.5, 0.25, 0.25]], dtype=torch.float64)
+G = torch.tensor([0.9, 0.1, 0.5], dtype=torch.float64)
+TOY_SPS = SpsTable([1, 2, 3, 4], [1.0, 0.6, 0.55, 0.5])
+GAMMA, OUT_LEN = 3, 3
+
+
+def per_scene_lengths(conf, scheduler):
+    """Run the scheduler once per distinct scene (it is a pure function of the confidences)."""
+    flat = conf.reshape(conf.shape[0], -1)
+    uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)
+    lengths = torch.stack([scheduler(u.view(conf.shape[1:]), TOY_SPS) for u in uniq])
+    return lengths[inverse]
+
+
+def simulate(scheduler, anchors, seed, rule="rejection"):
+    """anchors [N, R]: N independent scenes of R requests scheduled together. Returns the first OUT_LEN
+    generated tokens of every request [N, R, OUT_LEN] and the verify lengths used at each step."""
+    gen = torch.Generator().manual_seed(seed)
+    n, num_req = anchors.shape
+    anchor = anchors.reshape(-1)
+    out = torch.zeros(n * num_req, OUT_LEN + GAMMA + 1, dtype=torch.long)
+    count = torch.zeros(n * num_req, dtype=torch.long)
+    used = []
+    for _ in range(OUT_LEN):  # every step commits at least one token
+        tokens = [anchor]
+        for _ in range(GAMMA):
+            tokens.append(torch.multinomial(Q[tokens[-1]], 1, generator=gen).squeeze(1))
+        seq = torch.stack(tokens, 1)  # [N*R, 1 + gamma]: anchor, x_1..x_gamma
+        conf = G[seq[:, :GAMMA]].view(n, num_req, GAMMA)
+        lengths = per_scene_lengths(conf, scheduler).reshape(-1)
+        used.append(lengths)
+        res = ACCEPT_RULES[rule](seq[:, 1:], Q[seq[:, :GAMMA]], P[seq], lengths - 1, gen)
+        accepted, bonus = res.num_accepted, res.bonus
+        step_tokens = torch.cat([seq[:, 1:], torch.zeros_like(bonus[:, None])], 1)
+        step_tokens[torch.arange(len(bonus)), accepted] = bonus
+        for j in range(GAMMA + 1):
+            keep = (j <= accepted) & (count < OUT_LEN)
+            out[keep, count[keep] + j] = step_tokens[keep, j]
+        count += accepted + 1
+        anchor = bonus
+    return out[:, :OUT_LEN].view(n, num_req, OUT_LEN), torch.cat(used)
+
+
+def chi_square_pvalue(samples, anchors):
+    """Chi-square of observed continuations [N, R, T] (jointly over the R requests) against the target
+    chain from each request's anchor."""
+    n, num_req, length = samples.shape
+    cells = list(itertools.product(range(3), repeat=num_req * length))
+    codes = (samples.reshape(n, -1) * 3 ** torch.arange(num_req * length - 1, -1, -1)).sum(1)
+    observed = torch.bincount(codes, minlength=len(cells)).double()
+    expected = torch.ones(len(cells), dtype=torch.float64)
+    for code, cell in enumerate(cells):
+        for r, anchor in enumerate(anchors):
+            path = (anchor, *cell[r * length : (r + 1) * length])
+            expected[code] *= math.prod(P[a, b] for a, b in itertools.pairwise(path))
+    return chisquare(observed.numpy(), (expected * n).numpy()).pvalue
+
+
+@pytest.mark.parametrize("rule", ["rejection", "block"])
+def test_early_stop_is_lossless_and_peek_ahead_is_not(rule):
+    anchors = torch.full((20000, 1), 2)
+    exact, lengths = simulate(confidence_verify_lengths, anchors, seed=0, rule=rule)
+    assert set(lengths.tolist()) == {1, 2, 3, 4}  # the verify length really depends on the drafts
+    assert chi_square_pvalue(exact, [2]) > 1e-3
+    peek, _ = simulate(peek_ahead_lengths, anchors, seed=0, rule=rule)
+    assert chi_square_pvalue(peek, [2]) < 1e-12
+    if rule == "rejection":
+        assert (peek[:, 0, 0] == 0).double().mean() == pytest.approx(0.45, abs=0.015)
+
+
+def test_batched_requests_stay_lossless_jointly():
+    """Two requests ranked together, so each one's verify length also depends on the other's drafts;
+    the pair of 2-token continuations must still follow the target (81 cells)."""
+    anchors = torch.tensor([[1, 1]]).repeat(20000, 1)
+    exact, lengths = simulate(confidence_verify_lengths, anchors, seed=1)
+    assert {1, 2, 4} <= set(lengths.tolist())
+    assert chi_square_pvalue(exact[..., :2], [1, 1]) > 1e-3
+    peek, _ = simulate(peek_ahead_lengths, anchors, seed=1)
+    assert chi_square_pvalue(peek[..., :2], [1, 1]) < 1e-12

@@ -1,0 +1,216 @@
+"""The trainer end to end on a tiny random Llama target (CPU, fp32, gloo).
+
+- the per-layer-sharded forward is DSparkDraft.forward_train, exactly;
+- a 2-rank FSDP run equals a 1-rank run with the same global batch;
+- a run SIGKILLed mid-way and resumed ends with the weights of an uninterrupted run;
+- bad input (recipe keys, layer ids, hidden size, empty data, NaN hidden states) fails with one clear error and
+  leaves the last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dspark_sgl.config import ConfigError
+from training.checkpoint import latest_checkpoint
+from training.data import DataError
+from training.engines import EngineError, draft_config, target_facts
+from training.recipe import RecipeError, load_recipe
+from training.tiny import build_tiny_target, mask_token_id, tiny_conversations
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("tiny")
+    target = build_tiny_target(base / "target")
+    data = base / "conv.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(24)))
+    return {"target": str(target), "data": str(data), "mask": mask_token_id(target)}
+
+
+def write_recipe(tiny: dict, folder: Path, **sections) -> Path:
+    recipe = {
+        "target": {"path": tiny["target"]},
+        "draft": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
+                  "block_size": 4, "mask_token_id": tiny["mask"], "markov_rank": 8, "target_layer_ids": [0, 2]},
+        "data": {"train": tiny["data"], "max_length": 48},
+        "objective": {"num_anchors": 6},
+        "optim": {"lr": 3e-3, "warmup_ratio": 0.2},
+        "train": {"out_dir": str(folder / "run"), "global_batch": 4, "micro_batch": 1, "max_steps": 4,
+                  "compute_dtype": "float32", "progress": False, "threads": 1},
+    }
+    for name, values in sections.items():
+        recipe.setdefault(name, {}).update(values)
+    path = folder / "recipe.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_training(recipe: Path, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "training", "--config", str(recipe), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), "-m", "training", "--config", str(recipe), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "draft" / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= atol, f"max weight difference {worst:.3g} > {atol}"
+
+
+# ---- the sharded forward ----------------------------------------------------------------------------------------------
+def test_sharded_forward_is_forward_train():
+    from tests.test_objective import make_batch, make_draft
+    from training.objective import ObjectiveConfig
+    from training.trainer import ObjectiveModule, sharded_forward_train
+
+    reference = make_draft(seed=3)
+    draft = make_draft(seed=3)
+    ObjectiveModule(draft, ObjectiveConfig(num_anchors=6))  # swaps the layers to their context-projecting form
+    batch = make_batch()
+    anchors = torch.tensor([[4, 5, 14], [4, 6, 8], [4, 5, 6]])
+    expected = reference.forward_train(batch.input_ids, batch.aux_hidden, anchors)
+    torch.testing.assert_close(sharded_forward_train(draft, batch.input_ids, batch.aux_hidden, anchors), expected,
+                               rtol=0, atol=0)
+
+
+# ---- equality across world sizes and across a kill ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tiny, tmp_path):
+    one = write_recipe(tiny, tmp_path / "one")
+    two = write_recipe(tiny, tmp_path / "two", train={"micro_batch": 2})  # 2 ranks × 2 = global 4, no accumulation
+    run_training(one)
+    run_training(two, nproc=2)
+    w1, w2 = weights(tmp_path / "one" / "run"), weights(tmp_path / "two" / "run")
+    init = weights_after_zero_steps(tiny, tmp_path)
+    assert max(float((w1[k] - init[k]).abs().max()) for k in w1) > 1e-3, "training did not move the weights"
+    assert_same_weights(w1, w2, atol=2e-5)
+
+
+def weights_after_zero_steps(tiny, tmp_path) -> dict:
+    rec = write_recipe(tiny, tmp_path / "zero", optim={"lr": 0.0})
+    run_training(rec)
+    return weights(tmp_path / "zero" / "run")
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
+    steps = {"max_steps": 8, "save_every": 1}
+    full = write_recipe(tiny, tmp_path / "full", train=steps)
+    run_training(full)
+    killed = write_recipe(tiny, tmp_path / "killed", train=steps)
+    ckpts = tmp_path / "killed" / "run" / "checkpoints"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(killed)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while latest_checkpoint(ckpts) is None or latest_checkpoint(ckpts).name < "step-00000003":
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = latest_checkpoint(ckpts).name
+    assert killed_at < "step-00000008", "the run finished before the kill"
+    run_training(killed, "--resume")
+    assert_same_weights(weights(tmp_path / "full" / "run"), weights(tmp_path / "killed" / "run"), atol=0)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------------
+def test_unknown_recipe_key_is_named(tiny, tmp_path):
+    path = write_recipe(tiny, tmp_path, train={"learning_rate": 1e-3})
+    with pytest.raises(RecipeError, match=r"unknown key\(s\) \['learning_rate'\] in train"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match="unknown key"):
+        load_recipe(write_recipe(tiny, tmp_path), ["optim.lrr=1"])
+
+
+def test_override_types_are_checked(tiny, tmp_path):
+    path = write_recipe(tiny, tmp_path)
+    assert load_recipe(path, ["train.max_steps=7"]).train.max_steps == 7
+    with pytest.raises(RecipeError, match="train.global_batch"):
+        load_recipe(path, ["train.global_batch=abc"])
+
+
+def test_layer_ids_beyond_target(tiny, tmp_path):
+    recipe = load_recipe(write_recipe(tiny, tmp_path), ["draft.target_layer_ids=[0,9]"])
+    with pytest.raises(ConfigError, match="has only 4 layers"):
+        draft_config(recipe, target_facts(recipe))
+
+
+def test_hidden_size_mismatch(tiny, tmp_path):
+    recipe = load_recipe(write_recipe(tiny, tmp_path), ["draft.hidden_size=48"])
+    with pytest.raises(ConfigError, match="hidden_size=48 != target hidden size 32"):
+        draft_config(recipe, target_facts(recipe))
+
+
+def test_empty_dataset(tiny, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    path = write_recipe(tiny, tmp_path, data={"train": str(empty)})
+    out = subprocess.run([sys.executable, "-m", "training", "--config", str(path)], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode != 0
+    assert "DataError: dataset file" in out.stderr and "is empty" in out.stderr
+
+
+def test_nan_hidden_states_stop_before_any_update(tiny, tmp_path, monkeypatch):
+    """NaN from the engine at step 3: clear error, the step-2 checkpoint stays the latest and loads."""
+    from dspark_sgl.target.hf import HFTarget
+    from training.trainer import train
+
+    calls = {"n": 0}
+    real = HFTarget.capture
+
+    def flaky(self, ids, mask=None):
+        out = real(self, ids, mask)
+        calls["n"] += 1
+        if calls["n"] > 8:  # steps 1-2 use 4 micro-batches each
+            out.aux[0, 0, 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(HFTarget, "capture", flaky)
+    path = write_recipe(tiny, tmp_path, train={"save_every": 1, "max_steps": 4})
+    recipe = load_recipe(path)
+    with pytest.raises(EngineError, match="non-finite hidden states"):
+        train(recipe, str(path))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step-00000002"
+    assert not list(ckpts.glob("*.tmp"))
+    meta = torch.load(latest_checkpoint(ckpts) / "meta.pt", weights_only=False)
+    assert meta["step"] == 2
+
+
+def test_data_error_type_is_value_error():
+    assert issubclass(DataError, ValueError) and issubclass(RecipeError, ValueError)
