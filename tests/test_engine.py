@@ -130,3 +130,29 @@ def test_smollm2_lossless_random_and_good_draft(smollm2_dir):
     good_out = SpecEngine(target, good).generate(prompts, 32, eos_token_ids=eos)
     assert [o.token_ids for o in good_out] == [r.token_ids for r in ref]
     assert sum(o.stats.tau for o in good_out) / 3 > 1.5
+
+
+def steep_sps(max_tokens: int = 1 << 15):
+    """A verify cost that grows with tokens, so the confidence scheduler really cuts blocks short."""
+    from dspark_sgl.spec.sps import SpsTable
+
+    tokens = [1 << i for i in range(16) if 1 << i <= max_tokens]
+    return SpsTable(tokens, [1000.0 / (1 + n / 4) for n in tokens])
+
+
+def test_confidence_schedule_is_lossless_at_t0_and_verifies_less():
+    from dspark_sgl.spec.scheduler import ConfidencePlanner
+
+    target = HFTarget(tiny_llama(), [0, 2])
+    ref = SpecEngine(target).generate(PROMPTS, 24)
+    cfg = draft_config_for(target, block_size=5, markov_rank=64)
+    draft = bigram_draft(DSparkDraft(cfg), pairs_from(PROMPTS, [r.token_ids for r in ref]))
+    with torch.no_grad():  # confidence from the Markov embedding only: high after known tokens
+        draft.confidence_head.proj.weight.normal_(0, 1.0)
+    static = SpecEngine(target, draft).generate(PROMPTS, 24)
+    sched = SpecEngine(target, draft, ConfidencePlanner(steep_sps())).generate(PROMPTS, 24)
+    assert [o.token_ids for o in sched] == [r.token_ids for r in ref]
+    verified_static = sum(sum(o.stats.verified) for o in static)
+    verified_sched = sum(sum(o.stats.verified) for o in sched)
+    assert verified_sched < verified_static
+    assert all(c <= v for o in sched for c, v in zip(o.stats.accepted, o.stats.verified, strict=True))
