@@ -67,7 +67,8 @@ def main(
             "identical": identical,
         })
     table = Table(title=f"spec_speed: {target} + {draft} ({dtype}, T=0, {max_new_tokens} new tokens)")
-    for col in ("dataset", "prompts", "plain tok/s", "DSpark tok/s", "ratio", "τ", "draft s", "verify s", "T=0 identical"):
+    cols = ("dataset", "prompts", "plain tok/s", "DSpark tok/s", "ratio", "τ", "draft s", "verify s", "T=0 identical")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["dataset"], str(r["prompts"]), f"{r['plain_tok_s']:.1f}", f"{r['dspark_tok_s']:.1f}",

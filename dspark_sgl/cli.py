@@ -176,6 +176,78 @@ def eval_cmd(
                                                    schedule=schedule), indent=2))
 
 
+@app.command("profile-sps")
+def profile_sps_cmd(
+    target: TARGET = "smollm2",
+    out: Annotated[Path, typer.Option(help="JSON table to write.")] = Path("out/sps.json"),
+    max_tokens: Annotated[int, typer.Option(help="Largest verify batch, in tokens.")] = 64,
+    context: int = 256,
+    repeats: int = 5,
+    dtype: str = "float32",
+) -> None:
+    """Measure steps/s of the target verify forward for 1..max_tokens batch tokens (monotone-smoothed)."""
+    from dspark_sgl.loading import load_pair
+    from dspark_sgl.spec.engine import profile_target_sps
+
+    try:
+        tgt, _, _ = load_pair(target, None, dtype)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    table = profile_target_sps(tgt, max_tokens, context, repeats)
+    table.save(out)
+    t = Table(title=f"SPS of {target} verify forward (context {context})")
+    t.add_column("tokens", justify="right")
+    t.add_column("steps/s", justify="right")
+    t.add_column("tokens/s", justify="right")
+    for n, r in zip(table.tokens, table.steps_per_s, strict=True):
+        t.add_row(str(n), f"{r:.1f}", f"{n * r:.0f}")
+    Console().print(t)
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def calibrate(
+    draft: Annotated[str, typer.Option(help="Draft folder; sts.json is written into it.")],
+    data: Annotated[list[Path], typer.Option(help='JSONL of {"turns": [...]} records; repeatable.')],
+    target: TARGET = "smollm2",
+    limit: int = 50,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    dtype: str = "float32",
+    out: Annotated[Path | None, typer.Option(help="Where to write sts.json (default: the draft folder).")] = None,
+) -> None:
+    """Sequential temperature scaling of the confidence head from real speculative runs (ECE/AUROC/Brier)."""
+    from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
+    from dspark_sgl.loading import eos_ids, load_pair
+    from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
+    from dspark_sgl.spec.sts import calibration_report, fit_sts, save_sts
+
+    try:
+        tgt, model, tok = load_pair(target, draft, dtype)
+        engine = SpecEngine(tgt, model)
+        gens = []
+        for path in data:
+            gens += evaluate_dataset(engine, tok, path, limit, max_new_tokens, SamplingConfig(temperature),
+                                     eos_ids(tok, tgt))[1]
+        logits, accepted = confidence_pairs(gens)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    temps = fit_sts(logits, accepted)
+    before, after = calibration_report(logits, accepted), calibration_report(logits, accepted, temps)
+    t = Table(title=f"STS calibration on {len(accepted)} verify steps")
+    for col in ("position", "T", "ECE before", "ECE after", "AUROC before", "AUROC after", "Brier before",
+                "Brier after", "accept rate"):
+        t.add_column(col, justify="right")
+    for k in range(len(temps)):
+        t.add_row(str(k + 1), f"{float(temps[k]):.3g}", f"{before['ece'][k]:.4f}", f"{after['ece'][k]:.4f}",
+                  f"{before['auroc'][k]:.3f}", f"{after['auroc'][k]:.3f}", f"{before['brier'][k]:.4f}",
+                  f"{after['brier'][k]:.4f}", f"{after['accept_rate'][k]:.3f}")
+    Console().print(t)
+    dest = out or Path(draft) / "sts.json"
+    save_sts(dest, temps, {"before": before, "after": after, "steps": len(accepted)})
+    console.print(f"wrote {dest}")
+
+
 def _register_plugins() -> None:
     """Commands that live outside the core (quantization tools, the trainer) register through entry points."""
     from dspark_sgl.tools.cli_tools import register as register_tools

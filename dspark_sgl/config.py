@@ -203,10 +203,9 @@ class DSparkConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[int]:
-    """Layer ids spread over the target (skipping the first and last layer), as DFlash/DSpark drafts use."""
-    if num_target_layers < 3:
-        return list(range(num_target_layers))[:num_aux]
-    num_aux = min(num_aux, num_target_layers - 2)
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return sorted({start + round(i * span / max(num_aux - 1, 1)) for i in range(num_aux)})
+    """Layer ids spread evenly over the target; deep enough targets skip the first and the last two layers
+    (the DFlash/DSpark habit: the embedding-like first output and the near-logit last ones carry little)."""
+    n = num_target_layers
+    start, end = (1, n - 3) if n >= 6 else (0, n - 1)
+    k = max(1, min(num_aux, end - start + 1))
+    return sorted({start + round(i * (end - start) / max(k - 1, 1)) for i in range(k)})

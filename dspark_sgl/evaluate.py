@@ -7,6 +7,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from dspark_sgl.loading import encode_prompt
 from dspark_sgl.spec.engine import Generation, SamplingConfig, SpecEngine
 
@@ -84,3 +86,20 @@ def evaluate_dataset(
 
 def report_dict(reports: list[DatasetReport], **meta) -> dict:
     return {"meta": meta, "datasets": [asdict(r) for r in reports]}
+
+
+def confidence_pairs(gens: list[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence logits [N, γ], drafts accepted [N]) from full-window (static) verify steps, for STS."""
+    logits, accepted = [], []
+    for g in gens:
+        s = g.stats
+        if len(s.confidence) != len(s.verified):  # no confidence head
+            continue
+        for conf, acc, ver in zip(s.confidence, s.accepted, s.verified, strict=True):
+            if ver == s.block_size:  # a capped step censors the label
+                logits.append(conf)
+                accepted.append(acc)
+    if not logits:
+        raise ValueError("no full-window verify steps with confidence logits: run with --schedule static and a "
+                         "draft that has a confidence head")
+    return torch.tensor(logits), torch.tensor(accepted)

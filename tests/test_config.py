@@ -102,4 +102,4 @@ def test_malformed_files(tmp_path):
 def test_default_layer_ids_spread_over_the_target():
     ids = default_target_layer_ids(30, 5)
     assert len(ids) == 5 and ids == sorted(ids) and ids[0] >= 1 and ids[-1] <= 27
-    assert default_target_layer_ids(4, 5) == [1]
+    assert default_target_layer_ids(4, 5) == [0, 1, 2, 3] and default_target_layer_ids(4, 2) == [0, 3]

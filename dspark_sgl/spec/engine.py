@@ -41,6 +41,7 @@ class RequestStats:
     block_size: int
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
     verified: list[int] = field(default_factory=list)  # drafts sent to the target per step
+    confidence: list[list[float]] = field(default_factory=list)  # raw confidence logits per step (for STS)
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -157,6 +158,8 @@ class SpecEngine:
             if not (o.finished or len(o.token_ids) >= max_new):
                 o.stats.accepted.append(c)
                 o.stats.verified.append(n_verify - 1 if limit is None else int(limit[b]))
+                if prop.conf_logits is not None:
+                    o.stats.confidence.append(prop.conf_logits[b].tolist())
                 o.stats.draft_s += (t1 - t0) + (t3 - t2)
                 o.stats.verify_s += t2 - t1
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
