@@ -66,7 +66,7 @@ def brier(prob: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
 
 def _average_ranks(x: torch.Tensor) -> torch.Tensor:
     """1-based ranks with ties given their average rank."""
-    values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    _, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
     ends = counts.cumsum(0).to(torch.float64)
     return ((ends - counts + 1 + ends) / 2)[inverse]
 
