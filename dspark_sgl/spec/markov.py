@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dspark_sgl.kernels.markov_step import markov_step
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.spec.sampling import next_token
 
@@ -37,10 +38,11 @@ def rollout(
     tokens, logits, confs = [], [], []
     for t in range(h.shape[1]):
         latent, state = head.latent(prev, h[:, t], state)
-        step = base[:, t] + head.bias(latent).float()
         if conf_head is not None:
             confs.append(conf_head(h[:, t], head.markov_w1(prev).to(h.dtype)))
-        prev = next_token(step, temperature, 1.0, generator)
+        prev, step = markov_step(base[:, t], latent, head.markov_w2.weight)  # fused bias + argmax on GPU
+        if temperature > 0:
+            prev = next_token(step, temperature, 1.0, generator)
         tokens.append(prev)
         logits.append(step)
     conf = torch.stack(confs, 1) if confs else None
