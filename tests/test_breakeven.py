@@ -15,9 +15,7 @@ from dspark_sgl.tools.cli_tools import register
 def test_card_000_numbers():
     b = breakeven(5.70, 3.29, 0.81, 0.14)
     assert round(b.acceptance_ratio, 3) == 0.577
-    assert (
-        round(b.required_speedup, 2) == 1.73
-    )  # "NVFP4 must win 1.73× on the draft pass merely to break even"
+    assert round(b.required_speedup, 2) == 1.73  # "NVFP4 must win 1.73× on the draft pass merely to break even"
     assert round(b.max_speedup, 2) == 1.23  # "tops out at 1.23 — below 1.73 even in the limit"
     assert math.isinf(b.break_even_d_over_t)  # no d/T can pay for it when ρ < r
     assert round(b.speedup_at, 2) == 1.02 and b.throughput_ratio_at < 0.6 and not b.pays_off

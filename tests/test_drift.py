@@ -55,9 +55,7 @@ def test_fp32_against_itself_is_exact():
     ref_model, variants = D.load_variants(ref, ["fp32"], floor=False)
     (v,) = variants
     assert v.weight_snr_db == math.inf
-    report = D.run_drift(
-        ref_model, variants, D.DriftSettings(blocks=24, regimes=("boot", "gauss")), *heads(ref.config)
-    )
+    report = D.run_drift(ref_model, variants, D.DriftSettings(blocks=24, regimes=("boot", "gauss")), *heads(ref.config))
     for regime in ("boot", "gauss"):
         s = report.variants[0]["regimes"][regime]
         assert s["ceiling"]["mean"] == GAMMA and s["ceiling"]["lo"] == GAMMA and s["ceiling"]["hi"] == GAMMA
@@ -174,9 +172,7 @@ def test_cli_end_to_end_and_errors(folders, tmp_path):
     app = typer.Typer()
     register(app)
     data = tmp_path / "data.jsonl"
-    data.write_text(
-        "\n".join(json.dumps({"input_ids": list(range(i, i + 40))}) for i in range(0, 50, 10)) + "\n"
-    )
+    data.write_text("\n".join(json.dumps({"input_ids": list(range(i, i + 40))}) for i in range(0, 50, 10)) + "\n")
     out = tmp_path / "report" / "drift"
     res = CliRunner().invoke(
         app,

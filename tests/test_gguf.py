@@ -68,9 +68,7 @@ def test_every_tensor_round_trips_bit_for_bit(bf16_draft, tmp_path):
         assert [int(d) for d in reversed(r.shape)] == list(t.shape), name  # GGUF stores ne (reversed) dims
         if t.dim() == 2 and t.dtype == torch.bfloat16:
             assert r.tensor_type == gguf.GGMLQuantizationType.BF16
-            assert np.array_equal(r.data.reshape(-1), t.contiguous().view(torch.uint8).numpy().reshape(-1)), (
-                name
-            )
+            assert np.array_equal(r.data.reshape(-1), t.contiguous().view(torch.uint8).numpy().reshape(-1)), name
         else:  # 1-D norms/biases are widened to F32 (exact); the fp32 confidence head stays F32
             assert r.tensor_type == gguf.GGMLQuantizationType.F32
             assert np.array_equal(r.data.reshape(t.shape), t.float().numpy()), name

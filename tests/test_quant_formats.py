@@ -30,11 +30,7 @@ def ref_e4m3_value(code: int) -> float:
     sign, exp, man = code >> 7 & 1, code >> 3 & 15, code & 7
     if exp == 15 and man == 7:
         return math.nan
-    mag = (
-        Fraction(man, 8) * Fraction(2) ** -6
-        if exp == 0
-        else (1 + Fraction(man, 8)) * Fraction(2) ** (exp - 7)
-    )
+    mag = Fraction(man, 8) * Fraction(2) ** -6 if exp == 0 else (1 + Fraction(man, 8)) * Fraction(2) ** (exp - 7)
     return float(-mag if sign else mag)
 
 
@@ -52,9 +48,7 @@ def ref_nearest(x: float, codes: range, value, even) -> int:
 def ref_e2m1_encode(x: float) -> int:
     if math.isnan(x):
         raise F.FormatError("nan")
-    return ref_nearest(x, range(8), ref_e2m1_value, lambda c: c % 2 == 0) | (
-        8 if math.copysign(1, x) < 0 else 0
-    )
+    return ref_nearest(x, range(8), ref_e2m1_value, lambda c: c % 2 == 0) | (8 if math.copysign(1, x) < 0 else 0)
 
 
 def ref_e4m3_encode(x: float) -> int:
@@ -159,9 +153,7 @@ def _test_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     w[0, :32] = 0.0  # all-zero groups (both group sizes)
     w[1, :32] = torch.randn(32, generator=g) * 5e-6  # scales deep in E4M3's subnormal range
     w[2, 5] = 0.9  # an outlier that sets the NVFP4 global scale
-    w[3, :16] = (
-        torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.01
-    )  # FP4 ties after scaling
+    w[3, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.01  # FP4 ties after scaling
     return w
 
 
@@ -249,8 +241,7 @@ def test_mxfp4_weight_format_bit_exact_incl_zero_groups():
     assert int(ours["weight_scale"][0, 0]) == 0  # all-zero group: 2^-127
     deq = F.dequantize_weight(ours, F.MXFP4)
     want = [
-        ref_e2m1_value(c) * ref_e8m0_value(s)
-        for c, s in zip(codes, np.repeat(scale_codes, 32).tolist(), strict=True)
+        ref_e2m1_value(c) * ref_e8m0_value(s) for c, s in zip(codes, np.repeat(scale_codes, 32).tolist(), strict=True)
     ]
     assert deq.flatten().tolist() == want
 
@@ -274,8 +265,7 @@ def test_bad_weights_get_one_clear_error(fmt):
 def test_weight_snr_matches_card_000_for_gaussian_weights():
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * 0.02
     snr = {
-        f.name: F.weight_snr_db(w, F.dequantize_weight(F.quantize_weight(w, f), f))
-        for f in (F.FP8, F.NVFP4, F.MXFP4)
+        f.name: F.weight_snr_db(w, F.dequantize_weight(F.quantize_weight(w, f), f)) for f in (F.FP8, F.NVFP4, F.MXFP4)
     }
     assert snr["fp8"] > snr["nvfp4"] > snr["mxfp4"]
     assert abs(snr["fp8"] - 31.5) < 1.0 and abs(snr["nvfp4"] - 20.4) < 0.5 and abs(snr["mxfp4"] - 19.0) < 0.5
@@ -292,13 +282,9 @@ def test_byte_identical_to_compressed_tensors(name):
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     w = _test_weight(8, 64)
-    w[0, :32] = (
-        1e-3  # the library's CPU FP4 cast drops the sign of exact -0/0 groups; keep them non-zero here
-    )
+    w[0, :32] = 1e-3  # the library's CPU FP4 cast drops the sign of exact -0/0 groups; keep them non-zero here
     fmt = F.get_format(name)
-    scheme = preset_name_to_scheme(
-        {"fp8": "FP8_DYNAMIC", "nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}[name], ["Linear"]
-    )
+    scheme = preset_name_to_scheme({"fp8": "FP8_DYNAMIC", "nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}[name], ["Linear"])
     scheme.input_activations = None
     args = scheme.weights
     if name == "fp8":

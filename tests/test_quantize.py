@@ -54,9 +54,7 @@ def run_forward(model: DSparkDraft) -> torch.Tensor:
     c = model.config
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)  # the same stand-in target heads for every model
-    model.bind_target(
-        torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size)
-    )
+    model.bind_target(torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size))
     ids = torch.randint(0, c.vocab_size - 1, (2, 12), generator=g)
     aux = torch.randn(2, 12, c.num_aux * c.hidden_size, generator=g)
     return model.forward_train(ids, aux, torch.tensor([[2, 7], [1, 5]]))
@@ -112,9 +110,7 @@ def test_quantize_save_load_forward(source, tmp_path, scheme, packed):
     out = tmp_path / scheme
     result = quantize_draft(source, out, scheme=scheme)
     by = result.manifest["tensors_by_scheme"]
-    assert (
-        "fc.weight" in by[scheme] and "layers.4.self_attn.o_proj.weight" in by[scheme]
-    )  # card 000 selection
+    assert "fc.weight" in by[scheme] and "layers.4.self_attn.o_proj.weight" in by[scheme]  # card 000 selection
     assert len(by[scheme]) == 5 * 7 + 1
     with safe_open(str(out / "model.safetensors"), "pt") as st:
         keys = set(st.keys())
@@ -195,9 +191,7 @@ def test_bad_mixed_spec_and_folders(source, tmp_path):
 
 def test_group_size_mismatch_names_the_tensor(tmp_path):
     folder = tmp_path / "odd"
-    DSparkDraft(tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=1)).save_pretrained(
-        folder
-    )
+    DSparkDraft(tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=1)).save_pretrained(folder)
     with pytest.raises(QuantizeError, match=r"layers\.0\..*not a multiple of the mxfp4 group size 32"):
         quantize_draft(folder, tmp_path / "q", scheme="mxfp4")
     quantize_draft(folder, tmp_path / "q8", scheme="nvfp4")  # 48 = 3 groups of 16 is fine

@@ -1,12 +1,12 @@
-"""Drift of a quantized (or lower-precision) draft against an FP32 reference: card 000's method, any checkpoint.
+"""Drift of a quantized (or lower-precision) draft against an FP32 reference: card 000's method.
 
 Why FP32 and a BF16 floor: the served baseline already computes in BF16, so its own divergence from an exact
 reference is the noise floor a quantized build must be read against; FP32 vs itself is exactly zero.
 
 Per block (anchor + γ-1 masks over a context of aux hidden states), every variant sees the same input:
   * teacher-forced (the reference's greedy tokens as Markov prev): greedy agreement, 1-TV and KL(ref‖cand) of
-    the step distributions at T=1, hidden-state relative error, confidence (σ of the raw head logit): Pearson r and
-    the flip rate of the scheduling decision "cumulative survival Π c ≥ threshold";
+    the step distributions at T=1, hidden-state relative error, confidence (σ of the raw head logit): Pearson
+    r and the flip rate of the scheduling decision "cumulative survival Π c ≥ threshold";
   * free-running (each variant its own greedy Markov rollout, `dspark_sgl.spec.markov.rollout`): per-position
     agreement with the reference's tokens, and the matching-prefix length, whose mean is the drift-limited
     acceptance ceiling (of γ). The card computes the ceiling as Σ_k Π_{i≤k} p_i from the marginal per-position
@@ -84,7 +84,8 @@ def _finite(x):
     return x
 
 
-# ---- statistics ------------------------------------------------------------------------------------------------
+# ---- statistics
+# ------------------------------------------------------------------------------------------------
 def mean_ci(x: Tensor) -> dict[str, float]:
     """Mean and normal-approximation 95% CI over independent samples (blocks)."""
     x = x.double().flatten()
@@ -107,7 +108,8 @@ def pearson_ci(a: Tensor, b: Tensor) -> dict[str, float]:
     return {"r": r, "lo": math.tanh(z - half), "hi": math.tanh(z + half), "n": n}
 
 
-# ---- models ------------------------------------------------------------------------------------------------------
+# ---- models
+# ------------------------------------------------------------------------------------------------------
 def synthetic_heads(vocab: int, hidden: int, seed: int) -> tuple[nn.Embedding, nn.Linear]:
     """Stand-in target embedding / lm_head: logits of a unit-RMS hidden have std 3 (peaked, LM-like)."""
     g = torch.Generator().manual_seed(seed)
@@ -123,9 +125,10 @@ def random_draft(config, seed: int = 0, markov_gain: float = 2.0, bf16_exact: bo
     """A random draft whose layers actually move the hidden state (for demos and tests, no training needed).
 
     The training init (std 0.02) leaves a random draft's residual stream almost untouched by its weights, so
-    quantization would barely show. Here every Linear is N(0, 1/fan_in) (scale-preserving), the Markov bias has std
-    ≈ markov_gain logits, and with bf16_exact the weights are rounded to bf16 like a published checkpoint, so the
-    BF16 variant's weight error is exactly zero and its drift is pure compute noise (the card's noise floor).
+    quantization would barely show. Here every Linear is N(0, 1/fan_in) (scale-preserving), the Markov bias
+    has std ≈ markov_gain logits, and with bf16_exact the weights are rounded to bf16 like a published
+    checkpoint, so the BF16 variant's weight error is exactly zero and its drift is pure compute noise (the
+    card's noise floor).
     """
     torch.manual_seed(seed)
     model = DSparkDraft(config)
@@ -145,7 +148,7 @@ def random_draft(config, seed: int = 0, markov_gain: float = 2.0, bf16_exact: bo
 
 
 def _bind(model: DSparkDraft, embed: nn.Module, head: nn.Module, dtype: torch.dtype) -> DSparkDraft:
-    """Each variant gets the shared heads in its own compute dtype (a served BF16 draft meets a BF16 lm_head)."""
+    """Each variant gets the shared heads in its compute dtype (a served BF16 draft meets a BF16 lm_head)."""
     if dtype == torch.float32:
         return model.bind_target(embed, head)
     e = nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True)
@@ -173,10 +176,14 @@ def variant_weight_snr(ref: DSparkDraft, cand: DSparkDraft, only: list[str] | No
 
 
 def load_variants(
-    reference: str | Path | DSparkDraft, candidates: list[str], compute_dtype: str = "bf16", floor: bool = True
+    reference: str | Path | DSparkDraft,
+    candidates: list[str],
+    compute_dtype: str = "bf16",
+    floor: bool = True,
 ) -> tuple[DSparkDraft, list[Variant]]:
-    """The FP32 reference and the variants: 'bf16'/'fp16'/'fp32' = the reference weights computed in that dtype
-    (the noise floor; 'fp32' is the self-check), anything else = a draft folder (quantized or not)."""
+    """The FP32 reference and the variants: 'bf16'/'fp16'/'fp32' = the reference weights computed in that
+    dtype (the noise floor; 'fp32' is the self-check), anything else = a draft folder (quantized or not).
+    """
     if compute_dtype not in DTYPES:
         raise DriftError(f"compute dtype must be one of {sorted(DTYPES)}, got {compute_dtype!r}")
     ref = reference if isinstance(reference, DSparkDraft) else DSparkDraft.from_pretrained(reference)
@@ -215,16 +222,20 @@ def _label(path: Path) -> str:
     file = path / MANIFEST_FILE
     if file.exists():
         recipe = json.loads(file.read_text())["recipe"]
-        if recipe.get("mixed"):
-            return "+".join(f"{k}={v}" for k, v in recipe["mixed"].items()).upper()
+        if recipe.get("mixed"):  # o_proj=mxfp4,default=fp8 -> "MXFP4(o_proj)+FP8"
+            mixed = dict(recipe["mixed"])
+            default = mixed.pop("default", recipe.get("scheme"))
+            parts = [f"{v.upper()}({k})" for k, v in mixed.items()] + ([default.upper()] if default else [])
+            return "+".join(parts)
         if recipe.get("scheme"):
             return recipe["scheme"].upper()
     return path.name
 
 
-# ---- inputs ------------------------------------------------------------------------------------------------------
+# ---- inputs
+# ------------------------------------------------------------------------------------------------------
 def read_token_streams(path: str | Path, tokenizer=None) -> list[int]:
-    """A JSONL of {"input_ids": [...]} or {"text": "..."} rows (text needs the target's tokenizer) -> one stream."""
+    """JSONL rows of input_ids, text or turns (eval sets; text needs the target tokenizer) -> one stream."""
     ids: list[int] = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
@@ -232,12 +243,13 @@ def read_token_streams(path: str | Path, tokenizer=None) -> list[int]:
         row = json.loads(line)
         if "input_ids" in row:
             ids.extend(int(t) for t in row["input_ids"])
-        elif "text" in row:
+        elif "text" in row or "turns" in row:
             if tokenizer is None:
                 raise DriftError(f"{path}:{i + 1} has text but no tokenizer is available (give --target)")
-            ids.extend(tokenizer(row["text"])["input_ids"])
+            text = row["text"] if "text" in row else "\n".join(row["turns"])
+            ids.extend(tokenizer(text)["input_ids"])
         else:
-            raise DriftError(f"{path}:{i + 1} has neither 'input_ids' nor 'text'")
+            raise DriftError(f"{path}:{i + 1} has none of 'input_ids', 'text', 'turns'")
     return ids
 
 
@@ -256,7 +268,7 @@ def token_windows(stream: list[int] | None, n: int, seq_len: int, vocab: int, ma
 
 @torch.no_grad()
 def draft_layer_outputs(draft: DSparkDraft, ids: Tensor) -> Tensor:
-    """'boot' aux: the draft's own decoder layers run causally over the tokens, num_aux evenly spaced outputs."""
+    """'boot' aux: the draft's own decoder layers run causally over tokens, num_aux spaced outputs."""
     B, S = ids.shape
     c = draft.config
     x = draft.embed(ids)
@@ -290,7 +302,8 @@ def regime_aux(regime: str, ref: DSparkDraft, ids: Tensor, g: torch.Generator, t
     raise DriftError(f"unknown regime {regime!r}; expected one of {REGIMES}")
 
 
-# ---- one batch of blocks -----------------------------------------------------------------------------------------
+# ---- one batch of blocks
+# -----------------------------------------------------------------------------------------
 @torch.no_grad()
 def teacher_forced(draft: DSparkDraft, h: Tensor, anchor: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
     """Step logits [B, γ, V] and confidence logits [B, γ] with the given tokens as each step's Markov prev."""
@@ -366,7 +379,8 @@ def summarize(stats: dict[str, Tensor], gamma: int) -> dict[str, Any]:
     return out
 
 
-# ---- the run -----------------------------------------------------------------------------------------------------
+# ---- the run
+# -----------------------------------------------------------------------------------------------------
 def run_drift(
     ref: DSparkDraft,
     variants: list[Variant],
@@ -416,14 +430,20 @@ def run_drift(
         heads="target" if target is not None else "synthetic",
     )
     for v in variants:
-        report.variants.append({
-            "label": v.label, "source": v.source, "compute_dtype": v.compute_dtype,
-            "weight_snr_db": v.weight_snr_db, "regimes": results[v.label],
-        })
+        report.variants.append(
+            {
+                "label": v.label,
+                "source": v.source,
+                "compute_dtype": v.compute_dtype,
+                "weight_snr_db": v.weight_snr_db,
+                "regimes": results[v.label],
+            }
+        )
     return report
 
 
-# ---- output ------------------------------------------------------------------------------------------------------
+# ---- output
+# ------------------------------------------------------------------------------------------------------
 def _pm(stat: dict[str, float], scale: float = 1.0, digits: int = 2) -> str:
     m, lo, hi = stat["mean"] * scale, stat["lo"] * scale, stat["hi"] * scale
     if not math.isfinite(lo):
@@ -436,7 +456,7 @@ def _snr(v: float | None) -> str:
 
 
 def report_tables(report: DriftReport):
-    """The card's three tables as rich Tables: ceiling per regime, detail (first regime), per-position decay."""
+    """The card's three tables (rich): ceiling per regime, detail (first regime), per-position decay."""
     from rich.table import Table
 
     regimes = report.settings["regimes"]

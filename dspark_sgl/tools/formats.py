@@ -1,19 +1,19 @@
 """The three weight-only number formats, bit-exact, in the compressed-tensors on-disk layout.
 
-    FP8  float-quantized        weight F8_E4M3 [out, in]        weight_scale F32 [out, 1]   (per output channel)
+    FP8  float-quantized        weight F8_E4M3 [out, in]        weight_scale F32 [out, 1] (per channel)
     NVFP4 nvfp4-pack-quantized  weight_packed U8 [out, in/2]    weight_scale F8_E4M3 [out, in/16]
                                 weight_global_scale F32 [1]
     MXFP4 mxfp4-pack-quantized  weight_packed U8 [out, in/2]    weight_scale U8 (E8M0) [out, in/32]
 
-Element codes: E2M1 is sign(bit 3) + 3-bit magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}; two codes per byte,
-the even column in the low nibble. E4M3FN has no inf, NaN = S.1111.111, max 448. E8M0 is a bare biased exponent,
-2^(c-127), 255 = NaN. Rounding is to nearest, ties to even, saturating at the format max.
+Element codes: E2M1 is sign(bit 3) + 3-bit magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}; two codes per
+byte, the even column in the low nibble. E4M3FN has no inf, NaN = S.1111.111, max 448. E8M0 is a bare biased
+exponent, 2^(c-127), 255 = NaN. Rounding is to nearest, ties to even, saturating at the format max.
 
-The scale recipes mirror compressed-tensors 0.20 (`calculate_qparams`, `generate_gparam`, `generate_mx_scales`)
-operation for operation, so a checkpoint written here is byte-identical to the library's own compressors' output
-(tests/test_quant_formats.py checks that), while the codecs themselves are ours: the library's CPU FP4 cast maps
-NaN to garbage and drops the sign of -0, and its decompressors round NVFP4 weights to bf16; ours dequantize
-exactly in fp32, which the drift analysis needs.
+The scale recipes mirror compressed-tensors 0.20 (`calculate_qparams`, `generate_gparam`,
+`generate_mx_scales`) operation for operation, so a checkpoint written here is byte-identical to the library's
+own compressors' output (tests/test_quant_formats.py checks that), while the codecs themselves are ours: the
+library's CPU FP4 cast maps NaN to garbage and drops the sign of -0, and its decompressors round NVFP4 weights
+to bf16; ours dequantize exactly in fp32, which the drift analysis needs.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def quantize_fp8(w: Tensor) -> dict[str, Tensor]:
 
 
 def nvfp4_global_scale(w: Tensor) -> Tensor:
-    """448·6 / amax(w): maps the largest group's FP4 scale onto the top of the E4M3 range (fp32, shape [1])."""
+    """448·6 / amax(w): maps the largest group's FP4 scale to the top of the E4M3 range (fp32, shape [1])."""
     amax = w.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
     gs = torch.nan_to_num(E4M3_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
     return gs.float().reshape(1)
@@ -151,7 +151,11 @@ def quantize_nvfp4(w: Tensor) -> dict[str, Tensor]:
     scale = torch.where(scale == 0, 0.125, scale)  # E4M3 "eps" of compressed-tensors: all-zero groups
     q = _groups(w, 16) / (scale / gs)[..., None]
     codes = e2m1_encode(q.clamp(-E2M1_MAX, E2M1_MAX).flatten(-2))
-    return {"weight_packed": pack_fp4(codes), "weight_scale": scale.to(torch.float8_e4m3fn), "weight_global_scale": gs}
+    return {
+        "weight_packed": pack_fp4(codes),
+        "weight_scale": scale.to(torch.float8_e4m3fn),
+        "weight_global_scale": gs,
+    }
 
 
 def mx_scale_exponent(amax: Tensor) -> Tensor:
@@ -170,7 +174,7 @@ def quantize_mxfp4(w: Tensor) -> dict[str, Tensor]:
 
 
 def quantize_weight(w: Tensor, fmt: WeightFormat, name: str = "weight") -> dict[str, Tensor]:
-    """One Linear weight -> its compressed-tensors tensors (local names: weight/weight_packed, weight_scale, ...)."""
+    """One Linear weight -> its compressed-tensors tensors (local names: weight[_packed], weight_scale...)."""
     w = _check_weight(w, fmt, name)
     return {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4}[fmt.name](w)
 

@@ -2,12 +2,12 @@
 
 Which tensors get which format follows the model cards:
   * fp8 / nvfp4 / mxfp4 (card 000, "identical tensor selection" for every format): every decoder layer's MLP
-    gate/up/down, attention o_proj and the q/k/v projections (one fused qkv shard in SGLang/vLLM, so they must share
-    a scheme — the GQA counterpart of MLA's q_b_proj), plus the context projection `fc`.
-  * --mixed (card 002, o_proj-only MXFP4): the same decoder projections, `fc` left in BF16; each `pattern=scheme`
-    pair overrides the format of the modules it matches, `default=scheme` covers the rest.
-Embeddings (not in the draft at all), the Markov head, every norm and the confidence head stay BF16; the Markov
-head's Linear can still be picked by an explicit `--include markov_head.*`, the confidence head never.
+    gate/up/down, attention o_proj and the q/k/v projections (one fused qkv shard in SGLang/vLLM, so they must
+    share a scheme — the GQA counterpart of MLA's q_b_proj), plus the context projection `fc`.
+  * --mixed (card 002, o_proj-only MXFP4): the same decoder projections, `fc` left in BF16; each
+    `pattern=scheme` pair overrides the format of the modules it matches, `default=scheme` covers the rest.
+Embeddings (not in the draft at all), the Markov head, every norm and the confidence head stay BF16; the
+Markov head's Linear can still be picked by an explicit `--include markov_head.*`, the confidence head never.
 
 Patterns are shell globs over module names (`layers.*.mlp.*`); a pattern without a wildcard matches a dotted
 suffix (`o_proj` = every `*.o_proj`). A pattern that matches nothing is an error, not a silent no-op.
@@ -41,22 +41,39 @@ from dspark_sgl.tools.formats import (
 MANIFEST_FILE = "quantization_manifest.json"
 DECODER_PROJECTIONS = tuple(
     f"layers.*.{p}"
-    for p in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.q_proj", "self_attn.k_proj",
-              "self_attn.v_proj", "self_attn.o_proj")
+    for p in (
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+    )
 )
 CARD_000_SELECTION = (*DECODER_PROJECTIONS, "fc")  # one format for all (FP8 / NVFP4 / MXFP4 builds)
 CARD_002_SELECTION = DECODER_PROJECTIONS  # the mixed o_proj-MXFP4 build keeps fc in BF16
 PROTECTED = ("markov_head.",)  # picked only by a pattern that names them explicitly
 NEVER = ("confidence_head.",)  # scheduling head: fp32 at run time, BF16 on disk, never quantized
-_LOCAL_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape",
-                   "input_scale", "input_global_scale", "input_zero_point", "output_scale")
+_LOCAL_SUFFIXES = (
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "input_scale",
+    "input_global_scale",
+    "input_zero_point",
+    "output_scale",
+)
 
 
 class QuantizeError(ValueError):
     """A quantization request that cannot be honoured (bad pattern, bad scheme, already-quantized source)."""
 
 
-# ---- selection ----------------------------------------------------------------------------------------------
+# ---- selection
+# ----------------------------------------------------------------------------------------------
 def linear_modules(config: DSparkConfig) -> dict[str, tuple[int, int]]:
     """name -> (out, in) of every nn.Linear in a draft built from config (on the meta device: no memory)."""
     from dspark_sgl.model.draft import DSparkDraft
@@ -113,11 +130,11 @@ def plan_quantization(
     names = sorted(linear_modules(config))
     eligible = [n for n in names if not n.startswith(NEVER)]
     if include:
-        chosen = {n for p in include for n in _select(p, eligible, "--include")}
+        chosen = {n for p in include for n in _select(p, names, "--include")}
     else:
         base = CARD_002_SELECTION if mixed or scheme is None else CARD_000_SELECTION
         chosen = {n for p in base for n in eligible if fnmatch.fnmatchcase(n, p)}
-    overrides = {p: _select(p, eligible, "--mixed pattern") for p in mixed}
+    overrides = {p: _select(p, names, "--mixed pattern") for p in mixed}
     chosen |= {n for hits in overrides.values() for n in hits}
     for p in exclude or []:
         chosen -= set(_select(p, names, "--exclude"))
@@ -131,7 +148,8 @@ def plan_quantization(
     return plan
 
 
-# ---- compressed-tensors config --------------------------------------------------------------------------------
+# ---- compressed-tensors config
+# --------------------------------------------------------------------------------
 def _targets(modules: list[str], num_layers: int) -> list[str]:
     """Module names as compressed-tensors `re:` targets, one per projection when it covers every layer."""
     by_suffix: dict[str, set[int]] = {}
@@ -168,8 +186,9 @@ def build_quantization_config(plan: dict[str, WeightFormat], all_linear: list[st
     for i, cf in enumerate(formats):
         modules = sorted(n for n, f in plan.items() if f.compression_format == cf)
         fmt = BY_COMPRESSION[cf]
-        groups[f"group_{i}"] = QuantizationScheme(targets=_targets(modules, num_layers), weights=_weight_args(fmt),
-                                                  format=cf)
+        groups[f"group_{i}"] = QuantizationScheme(
+            targets=_targets(modules, num_layers), weights=_weight_args(fmt), format=cf
+        )
     cfg = QuantizationConfig(
         config_groups=groups,
         format=formats[0] if len(formats) == 1 else "mixed-precision",
@@ -179,7 +198,8 @@ def build_quantization_config(plan: dict[str, WeightFormat], all_linear: list[st
     return cfg.model_dump(mode="json")
 
 
-# ---- dequantization (the loader's side) -----------------------------------------------------------------------
+# ---- dequantization (the loader's side)
+# -----------------------------------------------------------------------
 def _target_matches(target: str, module: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
@@ -194,18 +214,19 @@ def _group_format(group: dict, top_format: str | None, module: str) -> WeightFor
         fmt = BY_COMPRESSION["float-quantized"]
     if fmt is None:
         raise QuantizeError(
-            f"{module}: compressed-tensors format {cf!r} is not supported here "
-            f"(supported: {sorted(BY_COMPRESSION)})"
+            f"{module}: compressed-tensors format {cf!r} is not supported here (supported: {sorted(BY_COMPRESSION)})"
         )
     if fmt.group_size is not None and weights.get("group_size") != fmt.group_size:
-        raise QuantizeError(f"{module}: {cf} needs group_size {fmt.group_size}, config says {weights.get('group_size')}")
+        raise QuantizeError(
+            f"{module}: {cf} needs group_size {fmt.group_size}, config says {weights.get('group_size')}"
+        )
     if fmt.name == "fp8" and weights.get("strategy") not in ("channel", "tensor"):
         raise QuantizeError(f"{module}: FP8 strategy {weights.get('strategy')!r} is not supported (channel, tensor)")
     return fmt
 
 
 def dequantize_state_dict(raw_state: dict[str, Tensor], quantization_config: dict[str, Any]) -> dict[str, Tensor]:
-    """A compressed-tensors state dict -> plain fp32 `.weight`s for its quantized modules (others untouched)."""
+    """A compressed-tensors state dict -> plain fp32 `.weight`s of its quantized modules (rest untouched)."""
     if quantization_config.get("quant_method", "compressed-tensors") != "compressed-tensors":
         raise QuantizeError(f"quant_method {quantization_config.get('quant_method')!r} is not compressed-tensors")
     groups = list((quantization_config.get("config_groups") or {}).values())
@@ -226,7 +247,8 @@ def dequantize_state_dict(raw_state: dict[str, Tensor], quantization_config: dic
     return out
 
 
-# ---- the command ----------------------------------------------------------------------------------------------
+# ---- the command
+# ----------------------------------------------------------------------------------------------
 @dataclass
 class QuantizeResult:
     out_dir: Path
@@ -282,8 +304,9 @@ def quantize_draft(
                 "shape": list(t.shape),
                 "group_size": fmt.group_size,
                 "snr_db": round(weight_snr_db(t.float(), dequantize_weight(packed, fmt, name)), 3),
-                "stored": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
-                           for k, v in stored.items()},
+                "stored": {
+                    k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)} for k, v in stored.items()
+                },
             }
         else:
             tensors[name] = t.to(_DTYPES[rest_dtype]).contiguous()
@@ -317,7 +340,13 @@ def _manifest(plan, entries, state, tensors, rest_dtype, scheme, mixed, include,
     quantized = sum(state[n].numel() for n in entries)
     return {
         "producer": "dspark-sgl",
-        "recipe": {"scheme": scheme, "mixed": mixed, "include": include, "exclude": exclude, "rest_dtype": rest_dtype},
+        "recipe": {
+            "scheme": scheme,
+            "mixed": mixed,
+            "include": include,
+            "exclude": exclude,
+            "rest_dtype": rest_dtype,
+        },
         "counts": {k: len(v) for k, v in by_format.items()},
         "tensors_by_scheme": by_format,
         "quantized": entries,
