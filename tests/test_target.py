@@ -60,3 +60,17 @@ def test_ragged_batch_with_rollback_matches_independent_requests():
         for b in range(3):
             seqs[b] += new[b, : keep[b]].tolist()
         assert kv.lengths.tolist() == [len(s) for s in seqs]
+
+
+def test_select_drops_finished_requests_and_trims_padding():
+    target = HFTarget(tiny_llama(), [1])
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [8, 9], [10, 11, 12]]
+    kv = TargetKV(target, prompts)
+    kv.prefill()
+    kv.select(torch.tensor([1, 2]))  # the longest request finished: its padding columns go too
+    assert kv.width == 3 and kv.pad.tolist() == [1, 0]
+    new = torch.tensor([[20, 21], [22, 23]])
+    out = kv.extend(new)
+    for b, p in enumerate(prompts[1:]):
+        ref = target.forward(torch.tensor([p + new[b].tolist()]))
+        torch.testing.assert_close(out.logits[b], ref.logits[0, -2:], atol=1e-4, rtol=1e-4)

@@ -323,6 +323,11 @@ class DraftContextCache:
     def kv(self) -> list[tuple[Tensor, Tensor]]:
         return list(zip(self.k, self.v, strict=True))
 
+    def select(self, rows: Tensor) -> None:
+        """Keep only these requests (rows of the batch)."""
+        self.k, self.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
+        self.lengths = self.lengths[rows]
+
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
             return

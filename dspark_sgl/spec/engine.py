@@ -116,12 +116,22 @@ class SpecEngine:
         for b in range(B):
             outs[b].stats.verify_s += time.perf_counter() - t0
         self._emit(outs, [[int(t)] for t in anchor], eos_token_ids, max_new_tokens)
-        while not all(o.finished or len(o.token_ids) >= max_new_tokens for o in outs):
+        live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
+        while True:
+            keep = [j for j, i in enumerate(live) if not (outs[i].finished or len(outs[i].token_ids) >= max_new_tokens)]
+            if not keep:
+                return outs
+            if len(keep) < len(live):
+                rows = torch.tensor(keep, device=anchor.device)
+                kv.select(rows)
+                if ctx is not None:
+                    ctx.select(rows)
+                anchor, live = anchor[rows], [live[j] for j in keep]
+            batch = [outs[i] for i in live]
             if self.draft is None:
-                anchor = self._plain_step(kv, anchor, s, gen, outs, eos_token_ids, max_new_tokens)
+                anchor = self._plain_step(kv, anchor, s, gen, batch, eos_token_ids, max_new_tokens)
             else:
-                anchor = self._spec_step(kv, ctx, anchor, s, gen, outs, eos_token_ids, max_new_tokens)
-        return outs
+                anchor = self._spec_step(kv, ctx, anchor, s, gen, batch, eos_token_ids, max_new_tokens)
 
     def _plain_step(self, kv, anchor, s, gen, outs, eos, max_new) -> Tensor:
         t0 = _sync_time(anchor)

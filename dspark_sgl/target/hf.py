@@ -167,3 +167,12 @@ class TargetKV:
             layer.values = layer.values.gather(2, idx)
         self.pad = self.pad + shift
         self.width = new_width
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only these requests (finished ones leave the batch) and drop columns that are padding everywhere."""
+        trim = int(self.pad[rows].min())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[rows, :, trim:]
+            layer.values = layer.values[rows, :, trim:]
+        self.pad = self.pad[rows] - trim
+        self.width -= trim
