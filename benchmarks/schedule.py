@@ -82,7 +82,7 @@ def main(
         t.add_row(str(r["R"]), f"{s['throughput']:.1f}", f"{c['throughput']:.1f}",
                   f"{c['throughput'] / s['throughput']:.2f}x", f"{s['per_request']:.1f}", f"{c['per_request']:.1f}",
                   f"{s['tau']:.2f}", f"{c['tau']:.2f}")
-    Console().print(t)
+    Console(width=160).print(t)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps({"draft": draft, "target": target, "sps": table.to_dict(), "rows": rows}, indent=2))
 

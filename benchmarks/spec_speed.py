@@ -74,7 +74,7 @@ def main(
         table.add_row(r["dataset"], str(r["prompts"]), f"{r['plain_tok_s']:.1f}", f"{r['dspark_tok_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['draft_s']:.1f}", f"{r['verify_s']:.1f}",
                       f"{r['identical']}/{r['prompts']}")
-    Console().print(table)
+    Console(width=160).print(table)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps({"target": target, "draft": draft, "dtype": dtype, "threads":
                                     torch.get_num_threads(), "rows": rows}, indent=2))
