@@ -11,11 +11,11 @@ $(BIN)/dspark: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0  # the CPU wheel; a bare `torch` would pull a multi-GB CUDA build
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,quant]'
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint test-sglang
 install: $(BIN)/dspark
 
 demo: install
@@ -27,3 +27,9 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest -q
+
+# Real SGLang 0.5.23 servers on CPU (slow: ~10-20 min on 2 cores), in their own venv.
+SGL_VENV ?= $(CURDIR)/.venv-sglang
+test-sglang: install
+	bash .ci/install_sglang.sh $(SGL_VENV)
+	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_server.py

@@ -25,7 +25,7 @@ class CheckpointError(ValueError):
     """A draft folder whose tensors do not match its config."""
 
 
-def _canonical_name(name: str) -> str | None:
+def canonical_name(name: str) -> str | None:
     if name.startswith(SKIPPED_PREFIXES):
         return None
     name = ALIASES.get(name, name)
@@ -50,7 +50,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raw = dequantize_state_dict(raw, config_json["quantization_config"])
     out = {}
     for name, t in raw.items():
-        canon = _canonical_name(name)
+        canon = canonical_name(name)
         if canon is not None:
             out[canon] = t
     return out

@@ -43,3 +43,21 @@ def handle_dspark_args(server_args) -> None:
     if cfg.max_running_requests is None:
         declare_resolution(server_args, SOURCE, max_running_requests=48)
     logger.info("dspark-sgl DSPARK: draft %s, block size %d", cfg.speculative_draft_model_path, draft.block_size)
+
+
+def allow_block_verification_off_cuda(original, server_args) -> None:
+    """AROUND `handle_speculative_decoding`: SGLang refuses --speculative-use-block-verification off CUDA because
+    its kernels are CUDA-only; our acceptance rules are plain torch, so DSPARK keeps the flag on any device."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    ours = (
+        (cfg.speculative_algorithm or "").upper() == "DSPARK"
+        and cfg.speculative_use_block_verification
+        and not str(cfg.device or "cuda").startswith("cuda")
+    )
+    if not ours:
+        return original(server_args)
+    declare_resolution(server_args, SOURCE, speculative_use_block_verification=False)  # hide it from the check
+    original(server_args)
+    declare_resolution(server_args, SOURCE, speculative_use_block_verification=True)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from dspark_sgl.config import ConfigError, DSparkConfig
-from dspark_sgl.model.checkpoint import _canonical_name
+from dspark_sgl.model.checkpoint import canonical_name
 from dspark_sgl.model.draft import DSparkDraft
 
 
@@ -49,14 +49,15 @@ def check_weights(path: str | Path, config: DSparkConfig) -> None:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                canon = _canonical_name(name)
+                canon = canonical_name(name)
                 if canon is not None:
                     shapes[canon] = tuple(st.get_slice(name).get_shape())
     with torch.device("meta"):
         expected = {k: tuple(t.shape) for k, t in DSparkDraft(config).state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
     if missing:
-        raise ConfigError(f"draft weights in {path} are missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise ConfigError(f"draft weights in {path} are missing tensors: {missing[:8]}{more}")
     bad = [f"{k}: file {shapes[k]} vs config {expected[k]}" for k in sorted(expected) if shapes[k] != expected[k]]
     if bad:
         raise ConfigError(f"draft weights in {path} do not match its config.json: {bad[:4]}")

@@ -18,6 +18,7 @@ import sys
 PLUGIN_NAME = "dspark"  # the entry-point name SGLANG_PLUGINS matches
 WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2"
 ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
+SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 
 
 def _announce(message: str) -> None:
@@ -34,12 +35,13 @@ def _has_builtin_dspark() -> bool:
 def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from dspark_sgl.sglang.args import handle_dspark_args
+    from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.worker import DSparkWorker
 
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
         HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)
+        HookRegistry.register(SPEC_ARGS_TARGET, allow_block_verification_off_cuda, HookType.AROUND)
         how = "replaces SGLang's builtin DSPARK worker and argument handler"
     else:
         from dspark_sgl.sglang.compat import register_dspark

@@ -20,8 +20,7 @@ import logging
 from types import SimpleNamespace
 
 import torch
-from torch import Tensor
-
+from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -35,6 +34,7 @@ from sglang.srt.speculative.dflash_utils import (
 )
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify_window
+from torch import Tensor
 
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
@@ -56,6 +56,12 @@ class DSparkWorker(BaseSpecWorker):
         self._draft_worker = None  # no SGLang draft runner: the draft is a plain torch module
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
+        if mambaish_config(self.model_runner.model_config) is not None:
+            raise ValueError(
+                "dspark-sgl's DSPARK worker does not yet roll back linear-attention (KDA/GDN/Mamba) state after a "
+                "verify step; serve this hybrid target with SGLang's builtin DSPARK (leave 'dspark' out of "
+                "SGLANG_PLUGINS)"
+            )
         spec = get_spec()
         self.draft = load_draft(spec.speculative_draft_model_path, device=self.device, dtype=self.model_runner.dtype)
         self.gamma = self.draft.config.block_size
@@ -131,9 +137,8 @@ class DSparkWorker(BaseSpecWorker):
     @torch.no_grad()
     def _forward_prefill(self, batch, on_publish) -> GenerationBatchResult:
         slots = batch.out_cache_loc.clone()  # read before the forward: the radix cache may move it afterwards
-        positions = torch.cat(
-            [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)]
-        )
+        spans = zip(batch.prefix_lens, batch.extend_lens, strict=True)
+        positions = torch.cat([torch.arange(p, p + n, device=self.device) for p, n in spans])
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         aux = out.logits_output.hidden_states
         if aux is None or aux.shape[0] != slots.shape[0]:

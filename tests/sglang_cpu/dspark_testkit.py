@@ -1,0 +1,204 @@
+"""Test helpers for real SGLang on CPU: start/stop a server on loopback, and build a deliberately good draft.
+
+Used by tests/test_sglang_*.py and benchmarks/sglang_speed.py. Nothing here is product code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SGL_VENV = Path(os.environ.get("DSPARK_SGL_VENV", "/work/sgl-venv"))
+
+# The plain fp32 CPU server the reference notes found lossless (bf16 results depend on batch shape).
+CPU_SERVER_ARGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+    "--max-total-tokens", "8192", "--mem-fraction-static", "0.2", "--dtype", "float32",
+]
+
+
+def sglang_python() -> Path | None:
+    """The interpreter of a venv where sglang imports (the current one, else $DSPARK_SGL_VENV)."""
+    for py in (Path(sys.executable), SGL_VENV / "bin" / "python"):
+        if py.exists():
+            ok = subprocess.run([str(py), "-c", "import sglang, dspark_sgl"], capture_output=True, env=cpu_env(),
+                                cwd="/tmp")
+            if ok.returncode == 0:
+                return py
+    return None
+
+
+def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # Only the stand-ins: dspark_sgl comes from the venv's install, whose metadata carries the plugin entry point.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several busy processes share 2 cores: OpenMP spinning thrashes
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One `python -m sglang.launch_server` process group; `stop()` ends exactly the group it started."""
+
+    model: Path
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240.0) -> Server:
+        py = sglang_python()
+        if py is None:
+            raise RuntimeError("no venv with sglang + dspark_sgl (run .ci/install_sglang.sh)")
+        cmd = [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
+               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        self.log_path = self.log_path or Path(f"/tmp/dspark-sglang-{self.port}.log")
+        log = open(self.log_path, "w")  # noqa: SIM115 - the child owns it until stop()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(self.env),
+                                     cwd="/tmp", start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(2)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()[-3000:]}")
+
+    def run_to_exit(self, timeout: float = 240.0) -> tuple[int, str]:
+        """Start expecting a start-up failure: (exit code, log)."""
+        py = sglang_python()
+        cmd = [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
+               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(self.env),
+                                 cwd="/tmp", start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            return -1, f"{e.stdout or ''}{e.stderr or ''}"
+        return res.returncode, res.stdout + res.stderr
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        time.sleep(1)
+        try:  # children (scheduler, detokenizer) share the group; make sure none outlives the launcher
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- HTTP --------------------------------------------------------------------------------------------
+    def post(self, path: str, payload: dict, timeout: float = 300.0) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:  # e.g. /flush_cache answers plain text
+            return {"text": body.decode(errors="replace")}
+
+    def get(self, path: str, timeout: float = 60.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int, **sampling) -> list[dict]:
+        """One batched /generate (SGLang schedules the requests concurrently)."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        out = self.post("/generate", {"input_ids": input_ids, "sampling_params": params})
+        return out if isinstance(out, list) else [out]
+
+
+# ---- a deliberately good draft ------------------------------------------------------------------------------
+def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
+    """prev token -> most frequent next token over the given sequences (ties to the smaller id)."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:], strict=False):
+            counts[a][b] += 1
+    return {a: min(c, key=lambda t: (-c[t], t)) for a, c in counts.items()}
+
+
+def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Path, block_size: int = 7,
+                       scale: float = 30.0, seed: int = 0, **overrides) -> Path:
+    """A DSpark draft whose Markov head is the bigram table of `sequences` (e.g. the target's own greedy outputs).
+
+    The backbone is random but its final norm is ~0, so base logits are tiny and each draft token is the bigram
+    successor of the previous one: a good predictor of a target that repeats itself, built without training. The
+    whole draft path (context K/V, block forward, rollout, confidence) still runs.
+    """
+    import torch
+
+    from dspark_sgl.config import DSparkConfig, default_target_layer_ids
+    from dspark_sgl.model.checkpoint import save_draft
+    from dspark_sgl.model.draft import DSparkDraft
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    table = bigram_table(sequences)
+    prevs = sorted(table)
+    fields = dict(
+        hidden_size=t["hidden_size"], num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], head_dim=t.get("head_dim") or t["hidden_size"] // t[
+            "num_attention_heads"], intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
+        rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        block_size=block_size, target_layer_ids=default_target_layer_ids(t["num_hidden_layers"], 3),
+        num_target_layers=t["num_hidden_layers"], mask_token_id=0, markov_rank=max(len(prevs), 8),
+    )
+    fields.update(overrides)
+    config = DSparkConfig(**fields)
+    torch.manual_seed(seed)
+    draft = DSparkDraft(config)
+    with torch.no_grad():
+        draft.norm.weight.fill_(1e-3)
+        head = draft.markov_head
+        head.markov_w1.weight.zero_()
+        head.markov_w2.weight.zero_()
+        for j, prev in enumerate(prevs):
+            head.markov_w1.weight[prev, j] = 1.0
+            head.markov_w2.weight[table[prev], j] = scale
+    return save_draft(draft, out_dir)

@@ -1,0 +1,5 @@
+"""Import-only stand-in."""
+
+from torchvision import stub_getattr
+
+__getattr__ = stub_getattr("torchvision.transforms.functional")

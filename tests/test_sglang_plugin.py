@@ -1,0 +1,132 @@
+"""Fast checks of the SGLang plugin pieces: start-up validation, the slot-indexed draft context, the hooks.
+
+The first two need no sglang; the hook test runs in the sglang venv (a subprocess, so HookRegistry's global state
+never leaks into this process) and is skipped where that venv does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_sgl.config import ConfigError, DSparkConfig
+from dspark_sgl.model.checkpoint import save_draft
+from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
+from dspark_sgl.sglang.checks import TargetFacts, check_draft
+from dspark_sgl.sglang.context import DraftContextPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
+from dspark_testkit import cpu_env, sglang_python  # noqa: E402
+
+TARGET = TargetFacts(hidden_size=64, vocab_size=128, num_layers=6)
+
+
+def tiny_config(**overrides) -> DSparkConfig:
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, vocab_size=128, block_size=4, target_layer_ids=[1, 3], mask_token_id=5,
+                  markov_rank=8)
+    fields.update(overrides)
+    return DSparkConfig(**fields)
+
+
+@pytest.fixture
+def draft_dir(tmp_path) -> Path:
+    torch.manual_seed(0)
+    return save_draft(DSparkDraft(tiny_config()), tmp_path / "draft")
+
+
+# ---- start-up checks --------------------------------------------------------------------------------------------
+def test_good_draft_passes(draft_dir):
+    assert check_draft(draft_dir, TARGET, block_size=4, num_draft_tokens=5).block_size == 4
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "message"),
+    [
+        (TargetFacts(96, 128, 6), {}, "hidden_size=64 != target hidden size 96"),
+        (TargetFacts(64, 256, 6), {}, "vocab_size=128 != target vocab size 256"),
+        (TARGET, {"block_size": 7}, "--speculative-dspark-block-size 7 does not match the draft's block_size 4"),
+        (TARGET, {"num_draft_tokens": 8}, "must be block_size \\+ 1 = 5"),
+        (TargetFacts(64, 128, 4), {}, "include the target's last layer"),
+    ],
+)
+def test_mismatch_is_one_clear_error(draft_dir, target, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        check_draft(draft_dir, target, **kwargs)
+
+
+def test_missing_or_misshaped_weights_are_named(draft_dir):
+    (draft_dir / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
+        check_draft(draft_dir, TARGET)
+    torch.manual_seed(0)
+    save_draft(DSparkDraft(tiny_config(markov_rank=16)), draft_dir)  # weights of another rank...
+    raw = json.loads((draft_dir / "config.json").read_text())
+    raw["markov_rank"] = raw["dspark_config"]["markov_rank"] = raw["dflash_config"]["markov_rank"] = 8
+    (draft_dir / "config.json").write_text(json.dumps(raw))  # ...under a config that says 8
+    with pytest.raises(ConfigError, match="markov_head.markov_w1.weight: file \\(128, 16\\) vs config \\(128, 8\\)"):
+        check_draft(draft_dir, TARGET)
+
+
+# ---- the slot-indexed draft context ------------------------------------------------------------------------------
+def test_pool_context_matches_the_reference_cache():
+    """Scattered slots + gather must give the draft exactly the context DraftContextCache gives it."""
+    torch.manual_seed(0)
+    c = tiny_config()
+    draft = DSparkDraft(c).eval()
+    draft.bind_target(torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size))
+    lengths = torch.tensor([5, 9])
+    aux = torch.randn(2, 9, c.num_aux * c.hidden_size)
+    ref = DraftContextCache(draft, 2, "cpu", torch.float32)
+    ref.append(aux, lengths)
+
+    pool = DraftContextPool(draft, num_slots=64, device="cpu", dtype=torch.float32)
+    req_to_token = torch.zeros(3, 16, dtype=torch.int32)
+    slots = torch.randperm(63)[:18] + 1  # distinct slots, request rows in no particular order
+    req_to_token[2, :9], req_to_token[0, :9] = slots[:9], slots[9:]
+    req_pool_indices = torch.tensor([2, 0])
+    for b, row in enumerate(req_pool_indices.tolist()):
+        n = int(lengths[b])
+        pool.write(req_to_token[row, :n], aux[b, :n], torch.arange(n))
+    ctx = pool.gather(req_to_token, req_pool_indices, lengths)
+
+    anchor = torch.tensor([7, 11])
+    torch.testing.assert_close(draft.forward_step(anchor, ctx), draft.forward_step(anchor, ref))
+
+
+# ---- hooks in real SGLang ----------------------------------------------------------------------------------------
+HOOK_PROBE = """
+import sglang.srt.plugins as plugins
+from dspark_sgl.sglang import plugin
+plugin.load()
+plugins.HookRegistry.apply_hooks()
+from sglang.srt.speculative.dspark_components import dspark_worker_v2
+from sglang.srt.arg_groups import speculative_hook
+from dspark_sgl.sglang.args import handle_dspark_args
+print("worker:", dspark_worker_v2.DSparkWorkerV2.__module__)
+print("patched:", sorted(t for t in plugins.HookRegistry._patched if "speculative" in t))
+print("args hook:", [h is handle_dspark_args for _, h, _ in plugins.HookRegistry._hooks[plugin.ARGS_TARGET]])
+try:
+    speculative_hook._handle_dspark(object())
+except Exception as e:
+    print("handler raised:", type(e).__name__)
+"""
+
+
+def test_plugin_takes_over_the_builtin_dspark_name():
+    py = sglang_python()
+    if py is None:
+        pytest.skip("needs the sglang venv (.ci/install_sglang.sh; set DSPARK_SGL_VENV)")
+    res = subprocess.run([str(py), "-c", HOOK_PROBE], capture_output=True, text=True, env=cpu_env(), cwd="/tmp",
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "worker: dspark_sgl.sglang.worker" in res.stdout
+    for target in ("_handle_dspark", "DSparkWorkerV2", "handle_speculative_decoding"):
+        assert target in res.stdout  # all three hooks applied
+    assert "args hook: [True]" in res.stdout
+    assert "replaces SGLang's builtin DSPARK worker" in res.stderr

