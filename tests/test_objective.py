@@ -79,7 +79,7 @@ def anchors_for(batch: Batch, step: int = 0, num_anchors: int = 6) -> tuple[torc
     return sample_anchors(batch.loss_mask, batch.lengths, num_anchors, seeds)
 
 
-# ---- the slow reference -----------------------------------------------------------------------------------------
+# ---- the slow reference ------------------------------------------------------------------------------------
 def slow_objective(draft: DSparkDraft, batch: Batch, anchors, valid, cfg: ObjectiveConfig):
     """Python loops over (row, anchor, slot); every term written out from its definition. Returns (num, Σw)."""
     num = torch.zeros(())
@@ -126,7 +126,7 @@ def assert_grads_close(a: dict, b: dict, atol=1e-5, rtol=1e-4):
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=name)
 
 
-# ---- anchors ----------------------------------------------------------------------------------------------------
+# ---- anchors -----------------------------------------------------------------------------------------------
 def test_anchors_are_valid_sorted_unique_and_capped():
     batch = make_batch()
     anchors, valid = anchors_for(batch, num_anchors=5)
@@ -175,7 +175,7 @@ def test_anchors_differ_by_step_and_sample_and_ignore_batch_padding():
     assert torch.equal(single[0][single[1]], a0[1][anchors_for(batch)[1][1]])
 
 
-# ---- loss terms vs the slow reference ---------------------------------------------------------------------------
+# ---- loss terms vs the slow reference ----------------------------------------------------------------------
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("chunk", [1, 7, 4096])
 def test_objective_matches_slow_reference(head, chunk):
@@ -252,7 +252,7 @@ def test_vocab_loss_saves_no_vocab_sized_activation():
     assert max(saved) <= max(R * H, V * r) and max(saved) < R * V
 
 
-# ---- pooled normalisation ---------------------------------------------------------------------------------------
+# ---- pooled normalisation ----------------------------------------------------------------------------------
 def pooled_reference(batches, cfg):
     """Gradient of (Σ over all micro-batches of the numerators) / (Σ of all weights): one loss over everything."""
     draft = make_draft()
@@ -333,7 +333,7 @@ def test_bad_objective_config():
         ObjectiveConfig(num_anchors=0)
 
 
-# ---- SpecForge 0.2.0's own objective ----------------------------------------------------------------------------
+# ---- SpecForge 0.2.0's own objective -----------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="pip install --no-deps specforge==0.2.0")
 def test_matches_specforge_objective(tmp_path):
     """Same weights, inputs and anchors: SpecForge's OnlineDSparkModel loss (1 rank, 1 micro-batch, where its

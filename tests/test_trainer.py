@@ -90,7 +90,7 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, f"max weight difference {worst:.3g} > {atol}"
 
 
-# ---- the sharded forward ----------------------------------------------------------------------------------------------
+# ---- the sharded forward -----------------------------------------------------------------------------------
 def test_sharded_forward_is_forward_train():
     from tests.test_objective import make_batch, make_draft
     from training.objective import ObjectiveConfig
@@ -106,7 +106,7 @@ def test_sharded_forward_is_forward_train():
                                rtol=0, atol=0)
 
 
-# ---- equality across world sizes and across a kill ---------------------------------------------------------------------
+# ---- equality across world sizes and across a kill ---------------------------------------------------------
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(tiny, tmp_path):
     one = write_recipe(tiny, tmp_path / "one")
@@ -147,7 +147,7 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
     assert_same_weights(weights(tmp_path / "full" / "run"), weights(tmp_path / "killed" / "run"), atol=0)
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------------
+# ---- bad input ---------------------------------------------------------------------------------------------
 def test_unknown_recipe_key_is_named(tiny, tmp_path):
     path = write_recipe(tiny, tmp_path, train={"learning_rate": 1e-3})
     with pytest.raises(RecipeError, match=r"unknown key\(s\) \['learning_rate'\] in train"):
@@ -214,3 +214,37 @@ def test_nan_hidden_states_stop_before_any_update(tiny, tmp_path, monkeypatch):
 
 def test_data_error_type_is_value_error():
     assert issubclass(DataError, ValueError) and issubclass(RecipeError, ValueError)
+
+
+@pytest.mark.slow
+def test_two_rank_run_with_one_rank_killed_resumes_exactly(tiny, tmp_path):
+    """SIGKILL one of two ranks mid-run; torchrun tears the job down; `--resume` on 2 ranks ends where an
+    uninterrupted 1-rank run ends (sharded DCP checkpoint, per-rank RNG, stream position)."""
+    steps = {"max_steps": 6, "save_every": 1, "micro_batch": 2}
+    ref = write_recipe(tiny, tmp_path / "ref", train={"max_steps": 6})
+    run_training(ref)
+    rec = write_recipe(tiny, tmp_path / "two", train=steps)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "training", "--config", str(rec)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "two" / "run" / "checkpoints"
+    deadline = time.time() + 240
+    while latest_checkpoint(ckpts) is None or latest_checkpoint(ckpts).name < "step-00000002":
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.05)
+    ranks = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _is_rank_of(p, str(rec))]
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    proc.wait(timeout=120)
+    assert latest_checkpoint(ckpts).name < "step-00000006", "the run finished before the kill"
+    run_training(rec, "--resume", nproc=2)
+    assert_same_weights(weights(tmp_path / "ref" / "run"), weights(tmp_path / "two" / "run"), atol=2e-5)
+
+
+def _is_rank_of(proc: Path, recipe: str) -> bool:
+    try:
+        cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return "-m training --config " + recipe in cmd and "torch.distributed.run" not in cmd

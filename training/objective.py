@@ -1,0 +1,283 @@
+"""The DSpark training objective: the one loss file (trainer, tests and benchmarks all import it).
+
+Per sequence, anchors a are sampled among positions p with loss_mask[p] and loss_mask[p + 1]; each anchor opens a
+block whose slot k (0 ≤ k < γ) predicts token a+k+1. All blocks of a sequence run in ONE draft forward
+(`DSparkDraft.forward_train`). A slot counts while every label up to it is supervised (prefix-contiguous mask) and is
+weighted w_k = exp(−k/γ_decay). With teacher-forced Markov input prev_k = token a+k:
+
+    logits_k = lm_head(h_k) + W2 · latent(prev_k, h_k)                       (fp32)
+    CE_k     = −log softmax(logits_k)[x_{a+k+1}]
+    L1_k     = Σ_v |softmax(logits_k) − softmax(lm_head(target_last_hidden[a+k]))|   (fp32, target frozen)
+    BCE_k    = BCE(confidence_logit_k, detach(clamp(1 − L1_k/2, 0, 1)))
+    loss     = (0.1·Σ w·CE + 0.9·Σ w·L1 + 1.0·Σ w·BCE) / Σ w
+
+Σw is pooled over every micro-batch of an optimizer step on every rank. We get that exactly by back-propagating the
+unnormalised numerator of each micro-batch and dividing the summed gradients by the global Σw once, after the last
+micro-batch (`normalise_gradients`): gradients are linear in the loss, so this is the same gradient without having
+to know Σw before the first backward.
+
+The full-vocabulary part runs in `VocabLoss`, a fused autograd function that walks the rows in chunks and computes
+the gradient of each chunk while its logits are alive, so peak memory is one chunk of [rows, V] fp32 buffers whatever
+the number of anchors, and nothing is recomputed in backward (SpecForge checkpoints 128-block chunks and recomputes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dspark_sgl.model.draft import DSparkDraft
+
+# Rows of the per-position statistics tensor returned by `compute_objective` (each row has γ columns).
+STAT_NAMES = ("count", "weight", "ce", "l1", "bce", "correct", "agree", "conf_abs_err", "alpha_prefix")
+
+
+@dataclass
+class ObjectiveConfig:
+    num_anchors: int = 512
+    gamma_decay: float = 4.0  # w_k = exp(-k / gamma_decay), k = 0 .. γ-1
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    bce_weight: float = 1.0
+    vocab_chunk_rows: int = 256  # rows of [rows, V] fp32 buffers alive at once
+
+    def __post_init__(self) -> None:
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        if self.gamma_decay <= 0:
+            raise ValueError(f"gamma_decay must be > 0, got {self.gamma_decay}")
+        if self.vocab_chunk_rows < 1:
+            raise ValueError(f"vocab_chunk_rows must be >= 1, got {self.vocab_chunk_rows}")
+        if min(self.ce_weight, self.l1_weight, self.bce_weight) < 0:
+            raise ValueError("loss weights must be >= 0")
+
+
+@dataclass
+class Batch:
+    """One micro-batch as the trainer sees it (right-padded)."""
+
+    input_ids: Tensor  # [B, S] long
+    loss_mask: Tensor  # [B, S] bool: token is a supervised (assistant) token
+    lengths: Tensor  # [B] long: unpadded lengths
+    sample_ids: Tensor  # [B] long: stable ids (anchor seeds, de-duplication, resume)
+    aux_hidden: Tensor  # [B, S, K·H] target capture
+    last_hidden: Tensor  # [B, S, H] target post-final-norm hidden
+
+
+@dataclass
+class ObjectiveOutput:
+    numerator: Tensor  # differentiable: 0.1·ΣwCE + 0.9·ΣwL1 + 1.0·ΣwBCE (not yet divided by Σw)
+    weight_sum: Tensor  # Σw of this micro-batch (fp32 scalar, no grad)
+    stats: Tensor  # [len(STAT_NAMES), γ] fp32 sums over slots, for `summarise`
+
+
+# ---- anchors -----------------------------------------------------------------------------------------------
+def anchor_seed(seed: int, step: int, sample_id: int) -> int:
+    """Seed of one sequence's anchors at one optimizer step.
+
+    Keyed by the sample id (unique across ranks, so every rank draws different anchors) and the step (so a sample seen
+    again in a later epoch gets new anchors). Not keyed by the rank index: a sample then gets the same anchors however
+    samples are spread over ranks, which is what makes a 2-rank run equal a 1-rank run and a resumed run equal an
+    uninterrupted one.
+    """
+    digest = hashlib.blake2b(f"{seed}/{step}/{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def sample_anchors(
+    loss_mask: Tensor, lengths: Tensor, num_anchors: int, seeds: list[int]
+) -> tuple[Tensor, Tensor]:
+    """Up to num_anchors anchors per row, uniform without replacement among valid positions, sorted.
+
+    loss_mask [B, S] bool, lengths [B]. Returns (anchors [B, N] long, valid [B, N] bool); padded slots point at 0.
+    A row's draw depends only on its own tokens and seed, never on the batch it was padded into.
+    """
+    B, S = loss_mask.shape
+    if len(seeds) != B:
+        raise ValueError(f"need one anchor seed per row: {len(seeds)} seeds for {B} rows")
+    ok = loss_mask[:, :-1] & loss_mask[:, 1:]  # p valid iff p and p+1 supervised
+    ok &= torch.arange(S - 1, device=ok.device)[None] < (lengths[:, None] - 1)
+    keys = torch.full((B, S - 1), 2.0)
+    for b, seed in enumerate(seeds):
+        n = max(int(lengths[b]) - 1, 0)
+        keys[b, :n] = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    keys = keys.to(ok.device).masked_fill(~ok, 2.0)
+    N = max(1, min(num_anchors, int(ok.sum(1).max())))
+    picked = keys.topk(N, dim=1, largest=False).indices.sort(dim=1).values
+    valid = ok.gather(1, picked)
+    return picked.masked_fill(~valid, 0), valid
+
+
+def position_weights(gamma: int, gamma_decay: float, device=None) -> Tensor:
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / gamma_decay)
+
+
+def block_targets(batch: Batch, anchors: Tensor, valid: Tensor, gamma: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(labels, prev, slot_mask), each [B, N, γ]: label x_{a+k+1}, teacher-forced prev x_{a+k}, prefix mask."""
+    S = batch.input_ids.shape[1]
+    k = torch.arange(gamma, device=anchors.device)
+    label_pos = anchors[..., None] + k + 1
+    in_range = label_pos < batch.lengths[:, None, None]
+    label_pos = label_pos.clamp(max=S - 1)
+    flat = lambda t: t.flatten(1)
+    supervised = batch.loss_mask.gather(1, flat(label_pos)).view_as(label_pos) & in_range
+    slot_mask = supervised.long().cumprod(-1).bool() & valid[..., None]
+    labels = batch.input_ids.gather(1, flat(label_pos)).view_as(label_pos)
+    prev = batch.input_ids.gather(1, flat(label_pos - 1)).view_as(label_pos)
+    return labels, prev, slot_mask
+
+
+# ---- the full-vocabulary part ------------------------------------------------------------------------------
+class VocabLoss(torch.autograd.Function):
+    """ce_w·Σ w·CE + l1_w·Σ w·L1 over rows, with gradients computed chunk by chunk in forward.
+
+    Inputs: h [R, H], latent [R, r], w2 [V, r] (trainable Markov W2), lm [V, H] (frozen), tgt [R, H] target
+    post-norm hidden, labels [R], w [R]. Outputs: the differentiable scalar and detached per-row (ce, l1, correct,
+    agree). Logits match `DSparkDraft.base_logits(h) + markov_head.bias(latent)`: each matmul in its weight's
+    dtype, summed in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, h, latent, w2, lm, tgt, labels, w, ce_w: float, l1_w: float, chunk: int):
+        R = h.shape[0]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(h) if need_grad else None
+        grad_lat = torch.zeros_like(latent) if need_grad else None
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce_rows, l1_rows = h.new_zeros(R, dtype=torch.float32), h.new_zeros(R, dtype=torch.float32)
+        correct, agree = h.new_zeros(R, dtype=torch.bool), h.new_zeros(R, dtype=torch.bool)
+        for s in range(0, R, chunk):
+            e = min(s + chunk, R)
+            hc, lc, y = h[s:e], latent[s:e], labels[s:e]
+            # In place wherever possible: these [rows, V] fp32 passes, not the matmuls, dominate on CPU.
+            logits = F.linear(hc.to(lm.dtype), lm).float()
+            logits += F.linear(lc.to(w2.dtype), w2).float()
+            pred = logits.argmax(-1)
+            lse = torch.logsumexp(logits, -1)
+            ce = lse - logits.gather(1, y[:, None]).squeeze(1)
+            p = logits.sub_(lse[:, None]).exp_()  # draft probabilities, in the logits' buffer
+            q = F.linear(tgt[s:e].to(lm.dtype), lm).float()
+            agree[s:e] = pred == q.argmax(-1)
+            q = q.sub_(q.amax(-1, keepdim=True)).exp_()
+            q = q.div_(q.sum(-1, keepdim=True))  # target probabilities
+            d = q.sub_(p)  # q − p, in q's buffer
+            l1 = torch.linalg.vector_norm(d, 1, dim=-1)
+            ce_rows[s:e], l1_rows[s:e], correct[s:e] = ce, l1, pred == y
+            wc = w[s:e].float()
+            total += (wc * (ce_w * ce + l1_w * l1)).sum()
+            if not need_grad:
+                continue
+            # d CE/d z = p − onehot(y);  d L1/d z_j = p_j (s_j − Σ_v s_v p_v) with s = sign(p − q).
+            g = d.sign_().neg_().mul_(p)  # s·p
+            g.addcmul_(p, g.sum(-1, keepdim=True), value=-1).mul_(l1_w).add_(p, alpha=ce_w)
+            g[torch.arange(e - s, device=g.device), y] -= ce_w
+            g.mul_(wc[:, None])
+            del p
+            grad_h[s:e] = (g.to(lm.dtype) @ lm).to(h.dtype)
+            grad_lat[s:e] = (g.to(w2.dtype) @ w2).to(latent.dtype)
+            grad_w2.addmm_(g.t(), lc.float())
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_lat, grad_w2.to(w2.dtype))
+        ctx.mark_non_differentiable(ce_rows, l1_rows, correct, agree)
+        return total, ce_rows, l1_rows, correct, agree
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_h, grad_lat, grad_w2 = ctx.saved_tensors
+        g = grad_total.to(torch.float32)
+        return (grad_h * g.to(grad_h.dtype), grad_lat * g.to(grad_lat.dtype), grad_w2 * g.to(grad_w2.dtype),
+                None, None, None, None, None, None, None)
+
+
+# ---- the objective -----------------------------------------------------------------------------------------
+def compute_objective(
+    draft: DSparkDraft, batch: Batch, anchors: Tensor, valid: Tensor, cfg: ObjectiveConfig, forward_train=None
+) -> ObjectiveOutput:
+    """One micro-batch: one draft forward over all blocks, then the three loss terms over supervised slots.
+
+    forward_train defaults to `draft.forward_train`; the FSDP trainer passes its per-layer-sharded equivalent.
+    """
+    c = draft.config
+    gamma = c.block_size
+    labels, prev, slot_mask = block_targets(batch, anchors, valid, gamma)
+    h = (forward_train or draft.forward_train)(batch.input_ids, batch.aux_hidden, anchors)  # [B, N, γ, H]
+    latent = draft.markov_head.teacher_forced_latent(prev, h)  # [B, N, γ, r]
+    tgt_pos = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp(max=batch.input_ids.shape[1] - 1)
+    b_idx, n_idx, k_idx = slot_mask.nonzero(as_tuple=True)
+    rows_h, rows_lat = h[b_idx, n_idx, k_idx], latent[b_idx, n_idx, k_idx]
+    rows_tgt = batch.last_hidden[b_idx, tgt_pos[b_idx, n_idx, k_idx]]
+    w = position_weights(gamma, cfg.gamma_decay, h.device)[k_idx]
+    numerator, ce, l1, correct, agree = VocabLoss.apply(
+        rows_h, rows_lat, draft.markov_head.markov_w2.weight, draft.target.lm_head.weight, rows_tgt,
+        labels[b_idx, n_idx, k_idx], w, cfg.ce_weight, cfg.l1_weight, cfg.vocab_chunk_rows,
+    )
+    alpha = (1 - l1 / 2).clamp(0, 1)  # detached: VocabLoss marks l1 non-differentiable
+    bce = torch.zeros_like(alpha)
+    conf_err = torch.zeros_like(alpha)
+    if draft.confidence_head is not None:
+        prev_rows = prev[b_idx, n_idx, k_idx]
+        conf = draft.confidence_head(rows_h, draft.markov_head.markov_w1(prev_rows).to(rows_h.dtype))
+        bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+        numerator = numerator + cfg.bce_weight * (w * bce).sum()
+        conf_err = (torch.sigmoid(conf.detach()) - alpha).abs()
+    stats = _slot_stats(gamma, b_idx, n_idx, k_idx, w, ce, l1, bce.detach(), correct, agree, conf_err, alpha,
+                        anchors.shape)
+    return ObjectiveOutput(numerator=numerator, weight_sum=w.sum(), stats=stats)
+
+
+def _slot_stats(gamma, b_idx, n_idx, k_idx, w, ce, l1, bce, correct, agree, conf_err, alpha, anchor_shape) -> Tensor:
+    """Sums per position k of each STAT_NAMES entry; alpha_prefix sums Π_{j≤k} α_j over blocks (prefix mask holds)."""
+    dev = w.device
+    prefix = torch.ones(*anchor_shape, gamma, device=dev)
+    prefix[b_idx, n_idx, k_idx] = alpha
+    prefix = prefix.cumprod(-1)[b_idx, n_idx, k_idx]
+    cols = [torch.ones_like(w), w, ce, l1, bce, correct.float(), agree.float(), conf_err, prefix]
+    out = torch.zeros(len(cols), gamma, device=dev)
+    for i, col in enumerate(cols):
+        out[i].index_add_(0, k_idx, col.float())
+    return out
+
+
+# ---- after the last micro-batch ----------------------------------------------------------------------------
+def normalise_gradients(params, weight_sum: Tensor, scale: float = 1.0) -> float:
+    """Divide accumulated gradients of the numerators by the global Σw (already all-reduced by the caller).
+
+    `scale` undoes a data-parallel gradient average (pass the world size when the wrapper averages over ranks).
+    Returns the divisor used.
+    """
+    total = float(weight_sum)
+    if total <= 0:
+        raise ValueError("no supervised slot in this optimizer step (Σw = 0): every sample has an empty loss mask")
+    factor = scale / total
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+    return total
+
+
+def summarise(stats: Tensor) -> dict[str, float]:
+    """Global stats [len(STAT_NAMES), γ] -> logged metrics (loss terms weighted; per-position acc/CE; τ_prob)."""
+    s = dict(zip(STAT_NAMES, stats.double(), strict=True))
+    count, weight = s["count"], s["weight"]
+    n = count.clamp(min=1)
+    w_k = weight / n  # the position weight itself (count·w_k / count)
+    out = {
+        "ce": float((s["ce"] * w_k).sum() / weight.sum().clamp(min=1e-12)),
+        "l1": float((s["l1"] * w_k).sum() / weight.sum().clamp(min=1e-12)),
+        "bce": float((s["bce"] * w_k).sum() / weight.sum().clamp(min=1e-12)),
+        "acc": float(s["correct"].sum() / count.sum().clamp(min=1)),
+        "teacher_agreement": float(s["agree"].sum() / count.sum().clamp(min=1)),
+        "conf_abs_err": float(s["conf_abs_err"].sum() / count.sum().clamp(min=1)),
+        "tau_prob": 1.0 + float((s["alpha_prefix"] / n).sum()),
+        "slots": float(count.sum()),
+    }
+    for k in range(stats.shape[1]):
+        out[f"acc_{k}"] = float(s["correct"][k] / n[k])
+        out[f"ce_{k}"] = float(s["ce"][k] / n[k]) if count[k] > 0 else math.nan
+    return out

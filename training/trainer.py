@@ -1,0 +1,411 @@
+"""The online-distillation training loop: live target features -> one block-masked draft forward -> FSDP2 step.
+
+One code path for every scale: a single process is a world of one (gloo), `torchrun` gives N ranks (gloo on CPU,
+nccl on GPU). The draft is wrapped in `ObjectiveModule` so the whole objective runs inside one FSDP forward (the
+Markov and confidence heads are unsharded there like every other parameter); `fully_shard` is applied per draft
+layer, then to the root. The frozen target embedding / lm_head stay outside the module tree: never sharded, never
+trained, never saved.
+
+Data order is a pure function of (seed, step): step s takes global-batch positions [s·G, (s+1)·G) of the seeded
+epoch permutations, rank r the r-th slice, cut into micro-batches. Anchors are keyed by (seed, step, sample id).
+Together with the DCP checkpoint of model + optimizer + scheduler + RNG this makes a resumed run take exactly the
+batches, anchors and updates of an uninterrupted one, and makes N ranks equal 1 rank at the same global batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dspark_sgl.model.draft import DraftLayer, DSparkDraft, block_attention_mask
+from training import checkpoint as ckpt
+from training.data import Sample, epoch_order, prepare_samples
+from training.engines import (
+    TORCH_DTYPES,
+    draft_config,
+    load_target_heads,
+    make_source,
+    resolve_target_path,
+    target_facts,
+)
+from training.objective import (
+    STAT_NAMES,
+    ObjectiveConfig,
+    anchor_seed,
+    compute_objective,
+    normalise_gradients,
+    sample_anchors,
+    summarise,
+)
+from training.recipe import Recipe, RecipeError
+
+
+class ContextDraftLayer(DraftLayer):
+    """A DraftLayer that projects its own context K/V inside forward.
+
+    `DSparkDraft.forward_train` computes every layer's context K/V before running the layers; under per-layer
+    `fully_shard` a layer's weights are only gathered inside its own forward, so the K/V projection has to move in
+    there. Same parameters, same state-dict names, same math (checked against forward_train in tests).
+    """
+
+    def forward(self, x, pos, ctx, ctx_pos, mask, inv_freq):
+        k, v = self.self_attn.kv(ctx, ctx_pos, inv_freq)
+        return super().forward(x, pos, k, v, mask, inv_freq)
+
+
+def sharded_forward_train(draft: DSparkDraft, input_ids: Tensor, aux_hidden: Tensor, anchors: Tensor) -> Tensor:
+    """`DSparkDraft.forward_train` step for step, with each layer's context K/V inside that layer's forward."""
+    B, S = input_ids.shape
+    ctx = draft.project_context(aux_hidden)
+    ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    ids, pos = draft.block_inputs(input_ids.gather(1, anchors), anchors)
+    mask = block_attention_mask(anchors, S, draft.config.block_size)
+    x = draft.embed(ids)
+    for layer in draft.layers:
+        x = layer(x, pos, ctx, ctx_pos, mask, draft.inv_freq)
+    return draft.norm(x).view(B, anchors.shape[1], draft.config.block_size, -1)
+
+
+class ObjectiveModule(nn.Module):
+    """The draft plus its objective as one module, so FSDP's forward hooks cover the loss heads too."""
+
+    def __init__(self, draft: DSparkDraft, cfg: ObjectiveConfig):
+        super().__init__()
+        for layer in draft.layers:
+            layer.__class__ = ContextDraftLayer
+        self.draft, self.cfg = draft, cfg
+
+    def forward(self, batch, anchors, valid):
+        fwd = lambda ids, aux, a: sharded_forward_train(self.draft, ids, aux, a)
+        return compute_objective(self.draft, batch, anchors, valid, self.cfg, forward_train=fwd)
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed(device_spec: str = "auto") -> Dist:
+    """torchrun's env when present, else a world of one; gloo on CPU, nccl on CUDA."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() and device_spec in ("auto", "cuda")
+    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(hours=2)  # rank 0 may regenerate data while others wait
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    if cuda:
+        torch.cuda.set_device(device)
+    return Dist(rank, local, world, device)
+
+
+def shard(module: ObjectiveModule, compute_dtype: torch.dtype, reshard_after_forward: bool) -> ObjectiveModule:
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in module.draft.layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    """Linear warmup to 1, then cosine down to min_ratio at the last step."""
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+class Plan:
+    """Which samples each rank trains on at each step (see the module docstring)."""
+
+    def __init__(self, samples: list[Sample], seed: int, global_batch: int, micro_batch: int, world: int):
+        if global_batch % (world * micro_batch):
+            raise RecipeError(f"train.global_batch={global_batch} must be divisible by world size {world} × "
+                              f"micro_batch {micro_batch}")
+        self.samples, self.seed, self.G, self.m, self.world = samples, seed, global_batch, micro_batch, world
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def accumulation(self) -> int:
+        return self.G // (self.world * self.m)
+
+    def item(self, position: int) -> tuple[int, Sample]:
+        n = len(self.samples)
+        epoch = position // n
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(n, self.seed, epoch)}
+        return position, self.samples[self._orders[epoch][position % n]]
+
+    def micro_batches(self, step: int, rank: int) -> list[list[tuple[int, Sample]]]:
+        per_rank = self.G // self.world
+        start = step * self.G + rank * per_rank
+        items = [self.item(p) for p in range(start, start + per_rank)]
+        return [items[i:i + self.m] for i in range(0, per_rank, self.m)]
+
+
+def total_steps(recipe: Recipe, num_samples: int) -> int:
+    t = recipe.train
+    if t.max_steps is not None:
+        return t.max_steps
+    return max(1, math.ceil(t.epochs * num_samples / t.global_batch))
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, recipe: Recipe, recipe_path: str | None = None, overrides: list[str] | None = None):
+        self.recipe, self.recipe_path, self.overrides = recipe, recipe_path, list(overrides or [])
+        self.out = Path(recipe.train.out_dir)
+        self.d = init_distributed(recipe.engine.device)
+        if recipe.train.world_size and recipe.train.world_size != self.d.world:
+            raise RecipeError(f"recipe is planned for train.world_size={recipe.train.world_size} ranks but runs on "
+                              f"{self.d.world}; launch that many or override train.world_size")
+        if recipe.train.threads:
+            torch.set_num_threads(recipe.train.threads)
+        facts = target_facts(recipe)
+        self.dcfg = draft_config(recipe, facts)
+        self.target_dir = resolve_target_path(recipe.target.path)
+        self.main = self.d.rank == 0
+
+    def log(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+
+    # -- data --
+    def prepare_data(self, target) -> tuple[list[Sample], int]:
+        cfg = self.recipe.data
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else self.out / "data"
+        return prepare_samples(cfg, self.target_dir, cache, self.d.rank, self.d.world, dist.barrier,
+                               target.model if target is not None else None, log=self.log)
+
+    # -- model --
+    def build_model(self, target) -> ObjectiveModule:
+        torch.manual_seed(self.recipe.train.seed)  # identical init on every rank and every world size
+        draft = DSparkDraft(self.dcfg)
+        if target is not None:
+            embed, head = target.embed_tokens, target.lm_head
+        else:
+            embed, head = load_target_heads(self.target_dir, TORCH_DTYPES[self.recipe.target.dtype], self.d.device)
+        draft = draft.to(self.d.device).bind_target(embed, head)
+        module = ObjectiveModule(draft, self.recipe.objective)
+        return shard(module, TORCH_DTYPES[self.recipe.train.compute_dtype], self.recipe.train.reshard_after_forward)
+
+    def run(self, resume: bool = False) -> Path:
+        r = self.recipe
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "recipe.json").write_text(json.dumps(r.to_dict(), indent=2, default=str))
+        source, procs, target = make_source(r, self.dcfg, self.d.rank, self.d.local_rank, self.d.world,
+                                            pad_id=0, recipe_path=self.recipe_path, overrides=self.overrides,
+                                            out_dir=self.out)
+        try:
+            samples, source.pad_id = self.prepare_data(target)
+            return self._train(samples, source, target, resume)
+        finally:
+            source.close()
+            for p in procs:
+                p.kill()
+
+    def _train(self, samples: list[Sample], source, target, resume: bool) -> Path:
+        r, t = self.recipe, self.recipe.train
+        model = self.build_model(target)
+        params = [p for p in model.parameters() if p.requires_grad]
+        o = r.optim
+        optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        steps = total_steps(r, len(samples))
+        warmup = round(o.warmup_ratio * steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(steps, warmup, o.min_lr_ratio))
+        plan = Plan(samples, t.seed, t.global_batch, t.micro_batch, self.d.world)
+        start = 0
+        if resume:
+            meta = ckpt.load_checkpoint(self.out / "checkpoints", model, optim, sched)
+            if meta is not None:
+                start = meta["step"]
+                self.log(f"resumed from step {start} ({self.out / 'checkpoints'})")
+            else:
+                self.log("--resume: no complete checkpoint yet, starting from step 0")
+        n_params = sum(p.numel() for p in params)
+        self.log(f"draft {n_params / 1e6:.2f}M params | {len(samples)} samples | {steps} steps × global batch "
+                 f"{t.global_batch} ({self.d.world} ranks × {plan.accumulation} micro × {t.micro_batch}) | "
+                 f"warmup {warmup} | {self.d.device}")
+        logger = MetricLogger(r, self.out, self.main, steps, start)
+        for step in range(start, steps):
+            micro = plan.micro_batches(step, self.d.rank)
+            ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
+            source.submit([it for mb in micro + ahead for it in mb])  # engines prefetch the next step meanwhile
+            metrics = self.train_step(model, params, optim, sched, step, micro, source)
+            logger.step(step, metrics, sched.get_last_lr()[0])
+            done = step + 1
+            if (t.save_every and done % t.save_every == 0) or done == steps:
+                ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
+                                     {"position": done * t.global_batch, "epoch": done * t.global_batch //
+                                      len(samples), "inflight": source.pending()}, keep=t.keep_checkpoints)
+        logger.close()
+        folder = self.export(model, self.out / "draft")
+        if self.main and r.eval.datasets:
+            final_eval(r, folder, self.out / "eval.json", self.log)
+        dist.barrier()
+        return folder
+
+    def export_latest(self) -> Path:
+        """On-demand export of the latest complete checkpoint (safe while a run is writing newer ones)."""
+        model = self.build_model(None)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+        meta = ckpt.load_checkpoint(self.out / "checkpoints", model, optim, sched, prune=False)
+        if meta is None:
+            raise FileNotFoundError(f"no complete checkpoint under {self.out / 'checkpoints'}")
+        return self.export(model, self.out / f"draft-step-{meta['step']}")
+
+    def train_step(self, model, params, optim, sched, step, micro, source) -> dict:
+        r = self.recipe
+        t0 = time.perf_counter()
+        dev = self.d.device
+        acc = torch.zeros(2 + len(STAT_NAMES) * self.dcfg.block_size, dtype=torch.float64, device=dev)
+        tokens = 0
+        for i, items in enumerate(micro):
+            batch = source.batch(items, dev)
+            seeds = [anchor_seed(r.train.seed, step, int(s)) for s in batch.sample_ids]
+            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, r.objective.num_anchors, seeds)
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            out = model(batch, anchors.to(dev), valid.to(dev))
+            out.numerator.backward()
+            acc[0] += out.numerator.detach().double()
+            acc[1] += out.weight_sum.double()
+            acc[2:] += out.stats.flatten().double()
+            tokens += int(batch.lengths.sum())
+        dist.all_reduce(acc)
+        if not torch.isfinite(acc[:2]).all():
+            raise FloatingPointError(f"non-finite loss at step {step}; no update was applied")
+        normalise_gradients(params, acc[1], scale=self.d.world)  # FSDP averaged over ranks: undo, then / Σw
+        gnorm = torch.nn.utils.clip_grad_norm_(params, r.optim.clip_grad_norm)
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        if not math.isfinite(gnorm):
+            raise FloatingPointError(f"non-finite gradient norm at step {step}; no update was applied")
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        m = summarise(acc[2:].view(len(STAT_NAMES), -1).float())
+        dt = time.perf_counter() - t0
+        m.update(loss=float(acc[0] / acc[1]), grad_norm=gnorm, step_s=dt,
+                 anchor_tokens_per_s=m["slots"] / dt, target_tokens_per_s=tokens * self.d.world / dt)
+        return m
+
+    def export(self, model, folder: Path) -> Path:
+        """The canonical DSpark checkpoint folder (config.json + model.safetensors) that `dspark eval` reads."""
+        state = ckpt.full_state_dict(model)
+        if self.main:
+            draft = DSparkDraft(self.dcfg)
+            draft.load_state_dict({k.removeprefix("draft."): v for k, v in state.items()}, strict=True)
+            draft.save_pretrained(folder)
+            self.log(f"exported draft to {folder}")
+        dist.barrier()
+        return folder
+
+
+def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
+    """`dspark eval` on the held-out prompts with the exported draft (T, dtype from the recipe) + the plain baseline."""
+    from dspark_sgl.evaluate import evaluate_dataset, report_dict
+    from dspark_sgl.loading import eos_ids, load_pair
+    from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
+
+    e = recipe.eval
+    target, draft, tok = load_pair(recipe.target.path, str(draft_dir), e.dtype)
+    engines = {"dspark": SpecEngine(target, draft)}
+    if e.baseline:
+        engines["plain"] = SpecEngine(target, None)
+    reports = {}
+    sampling = SamplingConfig(temperature=e.temperature)
+    for path in e.datasets:
+        for name, engine in engines.items():
+            rep, _ = evaluate_dataset(engine, tok, path, e.num_prompts, e.max_new_tokens, sampling,
+                                      eos_ids(tok, target), e.batch_size)
+            reports.setdefault(rep.name, {})[name] = rep
+        spec = reports[rep.name]["dspark"]
+        ratio = (spec.tokens_per_s / reports[rep.name]["plain"].tokens_per_s) if e.baseline else float("nan")
+        log(f"eval {rep.name}: τ = {spec.tau:.3f} over {spec.prompts} prompts (T={e.temperature}), "
+            f"{spec.tokens_per_s:.1f} tok/s, speed ratio vs plain {ratio:.2f}x, per-position accept "
+            f"{[round(a, 2) for a in spec.per_position_accept]}")
+    result = {name: report_dict([d[name] for d in reports.values()], draft=str(draft_dir), engine=name,
+                                temperature=e.temperature, dtype=e.dtype) for name in engines}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+class MetricLogger:
+    """Console line every log_every steps, rich progress bar with ETA, wandb (offline works without network)."""
+
+    def __init__(self, recipe: Recipe, out: Path, main: bool, total: int, start: int):
+        t = recipe.train
+        self.main, self.every, self.total = main, t.log_every, total
+        self.file = (out / "metrics.jsonl").open("a") if main else None
+        self.wandb = None
+        if main and t.wandb_project and t.wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(project=t.wandb_project, dir=str(out), mode=t.wandb_mode,
+                                    config=recipe.to_dict(), resume="allow")
+        self.progress = None
+        if main and t.progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self.task = self.progress.add_task("train", total=total, completed=start, info="")
+            self.progress.start()
+
+    def step(self, step: int, m: dict, lr: float) -> None:
+        if not self.main:
+            return
+        m = {"step": step + 1, "lr": lr, **m}
+        self.file.write(json.dumps(m) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(m, step=step + 1)
+        info = (f"loss {m['loss']:.3f} acc {m['acc']:.3f} τp {m['tau_prob']:.2f} "
+                f"{m['anchor_tokens_per_s']:.0f} anchor-tok/s")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step + 1, info=info)
+        if (step + 1) % self.every == 0 or step + 1 == self.total:
+            line = (f"step {step + 1}/{self.total} loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} "
+                    f"bce {m['bce']:.3f} acc {m['acc']:.3f} agree {m['teacher_agreement']:.3f} "
+                    f"τp {m['tau_prob']:.3f} |g| {m['grad_norm']:.3f} lr {lr:.2e} "
+                    f"{m['anchor_tokens_per_s']:.0f} anchor-tok/s")
+            (self.progress.console.print if self.progress else print)(line)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def train(recipe: Recipe, recipe_path: str | None = None, overrides: list[str] | None = None,
+          resume: bool = False, export_only: bool = False) -> Path:
+    trainer = Trainer(recipe, recipe_path, overrides)
+    return trainer.export_latest() if export_only else trainer.run(resume=resume)
