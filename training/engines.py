@@ -41,14 +41,13 @@ class EngineError(RuntimeError):
 
 # ---- target facts and heads --------------------------------------------------------------------------------
 def resolve_target_path(path: str) -> Path:
-    if path == "smollm2":
-        from dspark_sgl.target.smollm2 import smollm2_hf_dir
+    """The one target resolution of the project (`smollm2` or an HF folder), as an engine error."""
+    from dspark_sgl.loading import resolve_target_dir
 
-        return smollm2_hf_dir()
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise EngineError(f"target {path!r} is not an HF model folder (no config.json)")
-    return p
+    try:
+        return resolve_target_dir(path)
+    except FileNotFoundError as e:
+        raise EngineError(str(e)) from e
 
 
 def target_facts(recipe: Recipe) -> dict:
