@@ -90,22 +90,6 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, f"max weight difference {worst:.3g} > {atol}"
 
 
-# ---- the sharded forward -----------------------------------------------------------------------------------
-def test_sharded_forward_is_forward_train():
-    from tests.test_objective import make_batch, make_draft
-    from training.objective import ObjectiveConfig
-    from training.trainer import ObjectiveModule, sharded_forward_train
-
-    reference = make_draft(seed=3)
-    draft = make_draft(seed=3)
-    ObjectiveModule(draft, ObjectiveConfig(num_anchors=6))  # swaps the layers to their context-projecting form
-    batch = make_batch()
-    anchors = torch.tensor([[4, 5, 14], [4, 6, 8], [4, 5, 6]])
-    expected = reference.forward_train(batch.input_ids, batch.aux_hidden, anchors)
-    torch.testing.assert_close(sharded_forward_train(draft, batch.input_ids, batch.aux_hidden, anchors), expected,
-                               rtol=0, atol=0)
-
-
 # ---- equality across world sizes and across a kill ---------------------------------------------------------
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(tiny, tmp_path):

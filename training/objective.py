@@ -197,16 +197,13 @@ class VocabLoss(torch.autograd.Function):
 
 # ---- the objective -----------------------------------------------------------------------------------------
 def compute_objective(
-    draft: DSparkDraft, batch: Batch, anchors: Tensor, valid: Tensor, cfg: ObjectiveConfig, forward_train=None
+    draft: DSparkDraft, batch: Batch, anchors: Tensor, valid: Tensor, cfg: ObjectiveConfig
 ) -> ObjectiveOutput:
-    """One micro-batch: one draft forward over all blocks, then the three loss terms over supervised slots.
-
-    forward_train defaults to `draft.forward_train`; the FSDP trainer passes its per-layer-sharded equivalent.
-    """
+    """One micro-batch: one draft forward over all blocks, then the three loss terms over supervised slots."""
     c = draft.config
     gamma = c.block_size
     labels, prev, slot_mask = block_targets(batch, anchors, valid, gamma)
-    h = (forward_train or draft.forward_train)(batch.input_ids, batch.aux_hidden, anchors)  # [B, N, γ, H]
+    h = draft.forward_train(batch.input_ids, batch.aux_hidden, anchors)  # [B, N, γ, H]
     latent = draft.markov_head.teacher_forced_latent(prev, h)  # [B, N, γ, r]
     tgt_pos = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp(max=batch.input_ids.shape[1] - 1)
     b_idx, n_idx, k_idx = slot_mask.nonzero(as_tuple=True)

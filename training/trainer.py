@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from dspark_sgl.model.draft import DraftLayer, DSparkDraft, block_attention_mask
+from dspark_sgl.model.draft import DSparkDraft
 from training import checkpoint as ckpt
 from training.data import Sample, epoch_order, prepare_samples
 from training.engines import (
@@ -50,44 +50,15 @@ from training.objective import (
 from training.recipe import Recipe, RecipeError
 
 
-class ContextDraftLayer(DraftLayer):
-    """A DraftLayer that projects its own context K/V inside forward.
-
-    `DSparkDraft.forward_train` computes every layer's context K/V before running the layers; under per-layer
-    `fully_shard` a layer's weights are only gathered inside its own forward, so the K/V projection has to move in
-    there. Same parameters, same state-dict names, same math (checked against forward_train in tests).
-    """
-
-    def forward(self, x, pos, ctx, ctx_pos, mask, inv_freq):
-        k, v = self.self_attn.kv(ctx, ctx_pos, inv_freq)
-        return super().forward(x, pos, k, v, mask, inv_freq)
-
-
-def sharded_forward_train(draft: DSparkDraft, input_ids: Tensor, aux_hidden: Tensor, anchors: Tensor) -> Tensor:
-    """`DSparkDraft.forward_train` step for step, with each layer's context K/V inside that layer's forward."""
-    B, S = input_ids.shape
-    ctx = draft.project_context(aux_hidden)
-    ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-    ids, pos = draft.block_inputs(input_ids.gather(1, anchors), anchors)
-    mask = block_attention_mask(anchors, S, draft.config.block_size)
-    x = draft.embed(ids)
-    for layer in draft.layers:
-        x = layer(x, pos, ctx, ctx_pos, mask, draft.inv_freq)
-    return draft.norm(x).view(B, anchors.shape[1], draft.config.block_size, -1)
-
-
 class ObjectiveModule(nn.Module):
     """The draft plus its objective as one module, so FSDP's forward hooks cover the loss heads too."""
 
     def __init__(self, draft: DSparkDraft, cfg: ObjectiveConfig):
         super().__init__()
-        for layer in draft.layers:
-            layer.__class__ = ContextDraftLayer
         self.draft, self.cfg = draft, cfg
 
     def forward(self, batch, anchors, valid):
-        fwd = lambda ids, aux, a: sharded_forward_train(self.draft, ids, aux, a)
-        return compute_objective(self.draft, batch, anchors, valid, self.cfg, forward_train=fwd)
+        return compute_objective(self.draft, batch, anchors, valid, self.cfg)
 
 
 @dataclass

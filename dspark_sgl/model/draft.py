@@ -106,8 +106,20 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor, inv_freq: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), pos, ctx_k, ctx_v, mask, inv_freq)
+    def forward(
+        self,
+        x: Tensor,
+        pos: Tensor,
+        mask: Tensor,
+        inv_freq: Tensor,
+        ctx_kv: tuple[Tensor, Tensor] | None = None,
+        ctx: Tensor | None = None,
+        ctx_pos: Tensor | None = None,
+    ) -> Tensor:
+        """Context K/V arrive precomputed (inference cache) or are projected here from ctx (training). Projecting
+        inside the layer's own forward is what lets per-layer FSDP gather this layer's weights for it."""
+        k, v = ctx_kv if ctx_kv is not None else self.self_attn.kv(ctx, ctx_pos, inv_freq)
+        x = x + self.self_attn(self.input_layernorm(x), pos, k, v, mask, inv_freq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -268,11 +280,20 @@ class DSparkDraft(nn.Module):
         return [layer.self_attn.kv(ctx, pos, self.inv_freq) for layer in self.layers]
 
     def forward_blocks(
-        self, x: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Tensor
+        self,
+        x: Tensor,
+        pos: Tensor,
+        mask: Tensor,
+        ctx_kv: list[tuple[Tensor, Tensor]] | None = None,
+        ctx: Tensor | None = None,
+        ctx_pos: Tensor | None = None,
     ) -> Tensor:
-        """Block rows x [B, Q, H] at pos [B, Q] -> final-normed hidden [B, Q, H]."""
-        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, pos, k, v, mask, self.inv_freq)
+        """Block rows x [B, Q, H] at pos [B, Q] -> final-normed hidden [B, Q, H].
+
+        Context comes either as per-layer K/V (inference) or as context vectors ctx [B, S, H] at ctx_pos (training).
+        """
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, mask, self.inv_freq, None if ctx_kv is None else ctx_kv[i], ctx, ctx_pos)
         return self.norm(x)
 
     def block_inputs(self, anchor_ids: Tensor, anchor_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -291,18 +312,17 @@ class DSparkDraft(nn.Module):
         """
         B, S = input_ids.shape
         ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-        ctx_kv = self.context_kv(self.project_context(aux_hidden), ctx_pos)
-        anchor_ids = input_ids.gather(1, anchors)
-        ids, pos = self.block_inputs(anchor_ids, anchors)
+        ctx = self.project_context(aux_hidden)
+        ids, pos = self.block_inputs(input_ids.gather(1, anchors), anchors)
         mask = block_attention_mask(anchors, S, self.config.block_size)
-        h = self.forward_blocks(self.embed(ids), pos, ctx_kv, mask)
+        h = self.forward_blocks(self.embed(ids), pos, mask, ctx=ctx, ctx_pos=ctx_pos)
         return h.view(B, anchors.shape[1], self.config.block_size, -1)
 
     def forward_step(self, anchor_ids: Tensor, cache: DraftContextCache) -> Tensor:
         """One block per request at inference: anchors [B] at positions cache.lengths -> h [B, γ, H]."""
         ids, pos = self.block_inputs(anchor_ids[:, None], cache.lengths[:, None])
         mask = block_attention_mask(cache.lengths[:, None], cache.capacity, self.config.block_size)
-        return self.forward_blocks(self.embed(ids), pos, cache.kv(), mask)
+        return self.forward_blocks(self.embed(ids), pos, mask, ctx_kv=cache.kv())
 
 
 class DraftContextCache:

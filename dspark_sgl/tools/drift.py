@@ -277,7 +277,7 @@ def draft_layer_outputs(draft: DSparkDraft, ids: Tensor) -> Tensor:
     empty = x.new_zeros(B, c.num_key_value_heads, 0, c.head_dim)
     outs = []
     for layer in draft.layers:
-        x = layer(x, pos, empty, empty, causal, draft.inv_freq)
+        x = layer(x, pos, causal, draft.inv_freq, ctx_kv=(empty, empty))
         outs.append(x)
     L, K = len(outs), c.num_aux
     pick = [round(i * (L - 1) / max(K - 1, 1)) for i in range(K)]
