@@ -24,6 +24,15 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 4, seed: int = 0
     return model
 
 
+def tiny_draft_config(**over) -> DSparkConfig:
+    """A small random-draft config for tests that need no target; the mask id defaults to the last vocab id."""
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, vocab_size=96, block_size=4, target_layer_ids=[0, 2], markov_rank=16)
+    base |= over
+    base.setdefault("mask_token_id", base["vocab_size"] - 1)
+    return DSparkConfig(**base)
+
+
 def draft_config_for(target: HFTarget, **over) -> DSparkConfig:
     c = target.config
     kw = dict(hidden_size=c.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -13,25 +13,13 @@ from typer.testing import CliRunner
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.tools import drift as D
 from dspark_sgl.tools.cli_tools import register
+from tests.conftest import tiny_draft_config
 
 GAMMA = 5
 
 
 def tiny_config(**kw) -> DSparkConfig:
-    base = dict(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=96,
-        block_size=GAMMA,
-        target_layer_ids=[0, 2],
-        mask_token_id=95,
-        markov_rank=32,
-    )
-    return DSparkConfig(**(base | kw))
+    return tiny_draft_config(**(dict(num_hidden_layers=3, block_size=GAMMA, markov_rank=32) | kw))
 
 
 @pytest.fixture(scope="module")

@@ -12,26 +12,14 @@ from safetensors.torch import load_file, save_file
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.tools.gguf_export import ExportError, export_gguf, gguf_name
+from tests.conftest import tiny_draft_config
 
 gguf = pytest.importorskip("gguf")
 
 
 def tiny(**kw) -> DSparkConfig:
-    base = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=48,
-        vocab_size=64,
-        block_size=7,
-        target_layer_ids=[0, 2],
-        num_target_layers=4,
-        mask_token_id=63,
-        markov_rank=8,
-    )
-    return DSparkConfig(**(base | kw))
+    shape = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48, vocab_size=64)
+    return tiny_draft_config(**(shape | dict(block_size=7, num_target_layers=4, markov_rank=8) | kw))
 
 
 @pytest.fixture

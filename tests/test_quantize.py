@@ -20,25 +20,14 @@ from dspark_sgl.tools.quantize import (
     plan_quantization,
     quantize_draft,
 )
+from tests.conftest import tiny_draft_config
 
 pytest.importorskip("compressed_tensors")
 
 
 def tiny_config(layers: int = 5, **kw) -> DSparkConfig:
-    base = dict(
-        hidden_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        vocab_size=128,
-        block_size=4,
-        target_layer_ids=[1, 2],
-        mask_token_id=127,
-        markov_rank=16,
-    )
-    return DSparkConfig(**(base | kw))
+    shape = dict(num_hidden_layers=layers, intermediate_size=96, vocab_size=128, target_layer_ids=[1, 2])
+    return tiny_draft_config(**(shape | kw))
 
 
 @pytest.fixture(scope="module")
