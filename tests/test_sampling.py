@@ -59,6 +59,18 @@ def test_acceptance_rules_emit_target_distribution(rule, limit):
     assert 0 < float(c.float().mean()) < gamma
 
 
+@pytest.mark.parametrize("rule", ["rejection", "block"])
+def test_a_verify_of_the_anchor_alone_samples_the_bonus_from_p(rule):
+    """The scheduler may admit no draft (a window of one token): no drafts in, the bonus ~ p_1 out."""
+    V, n = 6, 100_000
+    p_row = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5, -1)
+    g = torch.Generator().manual_seed(0)
+    res = ACCEPT_RULES[rule](torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0, V), p_row.expand(n, 1, V),
+                             torch.zeros(n, dtype=torch.long), g)
+    assert int(res.num_accepted.max()) == 0
+    assert chi2_pvalue(torch.bincount(res.bonus, minlength=V), p_row) > 1e-3
+
+
 def test_a_wrong_residual_is_caught():
     """The same test with the bonus drawn from p instead of the residual must fail: the test has teeth."""
     V, gamma = 6, 3

@@ -35,6 +35,12 @@ def _prefix_len(ok: Tensor, limit: Tensor) -> Tensor:
     return ok.long().cumprod(-1).sum(-1).minimum(limit)
 
 
+def _no_drafts(p: Tensor, generator) -> Acceptance:
+    """A verify of the anchor alone (the scheduler admitted no draft): the bonus is a plain sample from p_1."""
+    zeros = torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
+    return Acceptance(zeros, sample(p[:, 0], generator))
+
+
 def _residual(p: Tensor, q: Tensor) -> Tensor:
     """norm(max(p − q, 0)), falling back to norm(p) where the residual has no mass (a zero-probability event)."""
     r = (p - q).clamp(min=0)
@@ -53,6 +59,8 @@ def rejection_accept(
     draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None, generator: torch.Generator | None = None
 ) -> Acceptance:
     B, gamma = draft_tokens.shape
+    if gamma == 0:
+        return _no_drafts(p, generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -75,6 +83,8 @@ def block_accept(
     Accept the largest i with η_i ≤ h_i (0 if none); bonus ~ norm(max(ρ_c p_{c+1} − q_{c+1}, 0)), or p_{L+1} if c = L.
     """
     B, gamma = draft_tokens.shape
+    if gamma == 0:
+        return _no_drafts(p, generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
