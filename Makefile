@@ -32,4 +32,4 @@ test: install lint
 SGL_VENV ?= $(CURDIR)/.venv-sglang
 test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
-	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_server.py
+	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_server.py tests/test_sglang_capture.py

@@ -11,7 +11,6 @@ import typer
 from typer.testing import CliRunner
 
 from tests.test_trainer import ROOT, assert_same_weights, run_training, tiny, weights, write_recipe  # noqa: F401
-from training.engines import EngineError, check_sglang_plugin
 
 
 @pytest.mark.slow
@@ -24,15 +23,6 @@ def test_colocated_stream_equals_inprocess(tiny, tmp_path):  # noqa: F811
     # The engine pads its own batches, so features can differ in the last bits from the in-process capture.
     assert_same_weights(weights(tmp_path / "inproc" / "run"), weights(tmp_path / "coloc" / "run"), atol=1e-5)
     assert (tmp_path / "coloc" / "run" / "logs" / "engine-0.log").exists()
-
-
-def test_sglang_engine_needs_the_plugin():
-    import importlib.util
-
-    if importlib.util.find_spec("dspark_sgl.sglang.capture") is not None:
-        pytest.skip("the capture plugin exists")
-    with pytest.raises(EngineError, match="sglang"):
-        check_sglang_plugin()
 
 
 def test_kimi_recipe_dry_run_matches_the_model_card():

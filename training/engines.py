@@ -1,8 +1,10 @@
 """Target engines behind one interface, and the feature sources the trainer reads batches from.
 
 An engine turns full tokenized conversations into (aux hidden [T, K·H], post-norm last hidden [T, H]) with one
-prefill-only pass. `hf` is the embedded transformers target (`dspark_sgl.target.hf.HFTarget`); `sglang` is a live
-SGLang server whose capture comes from this project's SGLang plugin. Placement, chosen in the recipe:
+prefill-only pass. `hf` is the embedded transformers target (`dspark_sgl.target.hf.HFTarget`); `sglang` is a stock
+SGLang 0.5.23 engine whose capture comes from this project's SGLang plugin (`dspark_sgl.sglang.capture`): an
+in-process `sglang.Engine` started by the engine process, or a running capture server at `engine.sglang_url`.
+Either way the trainer streams from `python -m training.engines serve` processes. Placement, chosen in the recipe:
 
   inprocess      the rank calls HFTarget directly (no copy, no serialisation; the CPU default)
   colocated      each rank starts its own engine process on its device and streams from it (ipc://)
@@ -111,12 +113,68 @@ def load_hf_target(recipe: Recipe, layer_ids: list[int], device: torch.device):
 
 
 def check_sglang_plugin() -> None:
-    """The sglang engine needs stock SGLang plus this project's capture plugin; say so instead of failing later."""
+    """The sglang engine needs stock SGLang in the engine's Python (the capture hooks ship in dspark_sgl.sglang)."""
     if importlib.util.find_spec("sglang") is None:
-        raise EngineError("engine.kind=sglang needs SGLang 0.5.23 installed (pip install 'sglang==0.5.23')")
-    if importlib.util.find_spec("dspark_sgl.sglang.capture") is None:
-        raise EngineError("engine.kind=sglang needs the dspark_sgl SGLang capture plugin (dspark_sgl.sglang.capture), "
-                          "which has not landed yet: use engine.kind=hf")
+        raise EngineError(f"engine.kind=sglang needs SGLang 0.5.23 importable by {sys.executable} "
+                          "(pip install 'dspark-sgl[sglang]'), or use engine.kind=hf")
+
+
+# SGLang on a CPU (see docs/serving.md): torch attention, no CUDA graphs, a small fixed KV pool.
+SGLANG_CPU_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                       max_total_tokens=8192, mem_fraction_static=0.2)
+
+
+def sglang_engine_args(recipe: Recipe, dcfg: DSparkConfig, device: torch.device) -> dict:
+    """sglang.Engine keyword arguments of a capture engine for this recipe (recipe.engine.sglang_args last)."""
+    from dspark_sgl.sglang.capture import engine_kwargs
+
+    capture = engine_kwargs(dcfg.target_layer_ids)
+    clash = sorted(set(recipe.engine.sglang_args) & set(capture))
+    if clash:
+        raise EngineError(f"engine.sglang_args may not set {clash}: the capture engine needs them as they are")
+    args = dict(model_path=str(resolve_target_path(recipe.target.path)), dtype=recipe.target.dtype,
+                tp_size=recipe.engine.tp_size, random_seed=recipe.train.seed)
+    if device.type == "cpu":
+        args.update(SGLANG_CPU_ARGS)
+    else:
+        args["base_gpu_id"] = device.index or 0
+    return {**args, **capture, **recipe.engine.sglang_args}
+
+
+class SGLangCapture:
+    """capture(ids, attn) over SGLang: an in-process sglang.Engine, or a running capture server at engine.sglang_url.
+
+    Each row of the batch is sent unpadded (its attention-mask length); replies are padded back to [B, T, ·]."""
+
+    def __init__(self, recipe: Recipe, dcfg: DSparkConfig, device: torch.device):
+        self.num_aux, self.hidden = dcfg.num_aux, dcfg.hidden_size
+        self.engine = None
+        if recipe.engine.sglang_url:
+            self.handle = recipe.engine.sglang_url
+            return
+        check_sglang_plugin()
+        if device.type == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's own switch for its CPU code paths
+        import sglang
+
+        self.engine = self.handle = sglang.Engine(**sglang_engine_args(recipe, dcfg, device))
+
+    def __call__(self, ids: torch.Tensor, attn: torch.Tensor):
+        from dspark_sgl.sglang.capture import capture
+        from dspark_sgl.target.hf import TargetOutput
+
+        lengths = attn.sum(1).tolist()
+        got = capture(self.handle, [ids[b, :n].tolist() for b, n in enumerate(lengths)], self.num_aux, self.hidden)
+        B, T = ids.shape
+        aux = torch.zeros(B, T, self.num_aux * self.hidden)
+        last = torch.zeros(B, T, self.hidden)
+        for b, (n, c) in enumerate(zip(lengths, got, strict=True)):
+            aux[b, :n], last[b, :n] = c.aux, c.last
+        return TargetOutput(aux=aux, last_hidden=last, logits=None)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 # ---- feature sources ---------------------------------------------------------------------------------------
@@ -213,8 +271,8 @@ def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, 
                 recipe_path: str | None, overrides: list[str], out_dir: Path):
     """(source, engine processes this rank owns, target or None)."""
     e = recipe.engine
-    if e.kind == "sglang":
-        check_sglang_plugin()
+    if e.kind == "sglang" and e.placement == "colocated" and not e.sglang_url:
+        check_sglang_plugin()  # the colocated engine starts sglang.Engine in this Python; remote engines have their own
     device = default_device(e.device, local_rank)
     if e.placement == "inprocess":
         if e.kind != "hf":
@@ -248,18 +306,25 @@ def serve_main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
-    if recipe.engine.kind == "sglang":
-        check_sglang_plugin()
     dcfg = draft_config(recipe, target_facts(recipe))
     device = default_device(recipe.engine.device, args.local_rank)
-    target = load_hf_target(recipe, dcfg.target_layer_ids, device)
     if recipe.train.threads:
         torch.set_num_threads(recipe.train.threads)
-    print(f"[engine] {recipe.target.path} layers {dcfg.target_layer_ids} on {device}, serving {args.bind}",
+    if recipe.engine.kind == "sglang":
+        capture = SGLangCapture(recipe, dcfg, device)
+        where = recipe.engine.sglang_url or f"an in-process sglang.Engine on {device}"
+    else:
+        target = load_hf_target(recipe, dcfg.target_layer_ids, device)
+        capture = lambda ids, attn: target.capture(ids.to(target.device), attn.to(target.device))
+        where = f"HFTarget on {device}"
+    print(f"[engine] {recipe.target.path} layers {dcfg.target_layer_ids} via {where}, serving {args.bind}",
           flush=True)
     t0 = time.time()
-    capture = lambda ids, attn: target.capture(ids.to(target.device), attn.to(target.device))
-    serve(capture, args.bind, recipe.engine.max_batch, recipe.stream.wire_dtype)
+    try:
+        serve(capture, args.bind, recipe.engine.max_batch, recipe.stream.wire_dtype)
+    finally:
+        if recipe.engine.kind == "sglang":
+            capture.close()
     print(f"[engine] stopped after {time.time() - t0:.0f}s", flush=True)
 
 

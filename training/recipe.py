@@ -43,6 +43,8 @@ class EngineConfig:
     max_batch: int = 8  # samples per prefill call
     tp_size: int = 1  # sglang: tensor parallel size per replica
     replicas: int = 1  # sglang: target replicas serving the trainer ranks
+    sglang_url: str | None = None  # sglang: a running capture server (http://host:port) instead of an in-process one
+    sglang_args: dict[str, Any] = field(default_factory=dict)  # sglang: extra sglang.Engine keyword arguments
 
 
 @dataclass
@@ -116,6 +118,14 @@ class Recipe:
         if self.engine.placement not in ("inprocess", "colocated", "disaggregated"):
             raise RecipeError(f"engine.placement must be inprocess|colocated|disaggregated, got "
                               f"{self.engine.placement!r}")
+        if self.engine.kind == "sglang" and self.engine.placement == "inprocess":
+            raise RecipeError("engine.kind=sglang runs in an engine process: set engine.placement to colocated or "
+                              "disaggregated")
+        if self.engine.sglang_url is not None and not self.engine.sglang_url.startswith(("http://", "https://")):
+            raise RecipeError(f"engine.sglang_url must be http://host:port, got {self.engine.sglang_url!r}")
+        if not isinstance(self.engine.sglang_args, dict):
+            raise RecipeError(f"engine.sglang_args must be a mapping of sglang.Engine arguments, got "
+                              f"{self.engine.sglang_args!r}")
         if self.engine.placement == "disaggregated" and not self.engine.endpoints:
             raise RecipeError("engine.placement=disaggregated needs engine.endpoints (tcp://host:port of each engine)")
         if self.train.global_batch < 1 or self.train.micro_batch < 1:

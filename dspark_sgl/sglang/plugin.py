@@ -36,8 +36,10 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
+    from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
     from dspark_sgl.sglang.worker import DSparkWorker
 
+    register_capture_hooks()  # training capture; a no-op unless the model override asks for it
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
         HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)
