@@ -1,4 +1,6 @@
-"""Real SGLang, same server build, same prompts: DSPARK (our plugin) vs no speculation. Tokens/s ratio, accept length.
+"""Real SGLang, same server build, same prompts: DSPARK (our plugin) vs no speculation. Tokens/s ratio, accept length,
+for each verify schedule (static: γ+1 tokens per request; confidence: the shared Algorithm 1 on the worker's live SPS
+table — SGLang's own SGLANG_RAGGED_VERIFY_MODE switch selects it).
 
 T = 0 output identity is counted on every prompt while measuring. Runs on CPU (the fp32 CPU server of the tests)
 or on a GPU machine with `--device cuda` (other flags then come from SGLang's defaults).
@@ -66,25 +68,35 @@ def main(
         seqs = [p + o["output_ids"] for p, o in zip(prompts, plain, strict=True)]
         draft = str(build_bigram_draft(Path(target), seqs, Path("out/bench/bigram-draft")))
     spec_args = ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(Path(draft).resolve())]
-    with Server(Path(target), spec_args) as spec_server:
-        run(spec_server, prompts[:1], 8, 1)
-        spec, t_spec = run(spec_server, prompts, max_new_tokens, concurrency)
-        server_accept = spec_server.get("/server_info")["internal_states"][0].get("avg_spec_accept_length")
-
     n_plain = sum(len(o["output_ids"]) for o in plain)
-    n_spec = sum(len(o["output_ids"]) for o in spec)
-    identical = sum(a["output_ids"] == b["output_ids"] for a, b in zip(plain, spec, strict=True))
-    accept = [o["meta_info"]["spec_accept_length"] for o in spec]
+    rows = []
+    for schedule, mode in (("static", "static"), ("confidence", "compact")):
+        with Server(Path(target), spec_args, env={"SGLANG_RAGGED_VERIFY_MODE": mode}) as spec_server:
+            run(spec_server, prompts[:2], 16, 1)  # warm-up (and the worker's SPS profile of batch size 1)
+            spec_server.post("/set_internal_state", {"server_args": {"dspark_clear_info_records": True}})
+            spec, t_spec = run(spec_server, prompts, max_new_tokens, concurrency)
+            state = spec_server.get("/server_info")["internal_states"][0]
+        n_spec = sum(len(o["output_ids"]) for o in spec)
+        info = state.get("dspark_info_record") or {}
+        rows.append({
+            "schedule": schedule, "dspark_tok_s": n_spec / t_spec,
+            "speedup": (n_spec / t_spec) / (n_plain / t_plain),
+            "accept_length": sum(o["meta_info"]["spec_accept_length"] for o in spec) / len(spec),
+            "target_tokens_per_request": info.get("mean_target_tokens_per_request"),
+            "identical_at_t0": sum(a["output_ids"] == b["output_ids"] for a, b in zip(plain, spec, strict=True)),
+        })
     result = {
         "data": data.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "concurrency": concurrency,
-        "draft": draft, "plain_tok_s": n_plain / t_plain, "dspark_tok_s": n_spec / t_spec,
-        "speedup": (n_spec / t_spec) / (n_plain / t_plain), "accept_length": sum(accept) / len(accept),
-        "server_avg_accept_length": server_accept, "identical_at_t0": f"{identical}/{len(prompts)}",
+        "draft": draft, "plain_tok_s": n_plain / t_plain, "dspark": rows,
     }
-    table = Table(title=f"SGLang DSPARK vs plain ({data.name}, {len(prompts)} prompts, concurrency {concurrency})")
-    for key in ("plain_tok_s", "dspark_tok_s", "speedup", "accept_length", "identical_at_t0"):
-        value = result[key]
-        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    table = Table(title=f"SGLang DSPARK vs plain ({data.name}, {len(prompts)} prompts, concurrency {concurrency}, "
+                        f"plain {result['plain_tok_s']:.2f} tok/s)")
+    for col in ("schedule", "tok/s", "speedup", "accept length", "target tok/request/step", "identical T=0"):
+        table.add_column(col)
+    for r in rows:
+        verify = r["target_tokens_per_request"]
+        table.add_row(r["schedule"], f"{r['dspark_tok_s']:.2f}", f"{r['speedup']:.2f}x", f"{r['accept_length']:.2f}",
+                      "-" if verify is None else f"{verify:.2f}", f"{r['identical_at_t0']}/{len(prompts)}")
     Console().print(table)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")

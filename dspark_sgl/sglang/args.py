@@ -42,6 +42,12 @@ def handle_dspark_args(server_args) -> None:
     )
     if cfg.max_running_requests is None:
         declare_resolution(server_args, SOURCE, max_running_requests=48)
+    if cfg.grammar_backend not in (None, "none"):
+        # The worker does not mask draft/verify rows by a grammar yet. With no grammar backend SGLang refuses each
+        # json_schema / regex / ebnf request on its own, with its own message, and the server keeps serving.
+        declare_resolution(server_args, SOURCE, grammar_backend="none")
+        logger.warning("dspark-sgl DSPARK: grammar-constrained requests are not supported yet; they are refused "
+                       "one by one (--grammar-backend none). Serve them with the builtin DSPARK or without DSPARK.")
     logger.info("dspark-sgl DSPARK: draft %s, block size %d", cfg.speculative_draft_model_path, draft.block_size)
 
 

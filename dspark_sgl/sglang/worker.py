@@ -5,7 +5,9 @@ One scheduler step, with SGLang owning every KV slot:
     prefill : target extend with aux capture (ids = OUTPUT of decoder layer i) -> draft context K/V at the
               prompt's slots; the target's sampled token is the first anchor
     decode  : draft block [anchor, MASK...] over the context (DSparkDraft.forward_step) -> Markov rollout
-              -> target TARGET_VERIFY over [anchor, x_1..x_γ] in SGLang's pre-allocated window
+              -> verify lengths from the confidence head (the shared Algorithm 1 scheduler; planning.py)
+              -> target TARGET_VERIFY over [anchor, x_1..] in the first w columns of SGLang's pre-allocated window,
+                 w = the longest scheduled length in the batch (γ+1 under the static policy)
               -> shared acceptance rule -> commit anchor + accepted (target KV and draft context at the same slots)
               -> emit accepted + bonus; the bonus is the next anchor
 
@@ -17,6 +19,7 @@ per-request bookkeeping (accept lengths, histograms, /server_info).
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import torch
@@ -38,6 +41,7 @@ from torch import Tensor
 
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
+from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.spec.accept import Acceptance, block_accept, greedy_accept, rejection_accept
 from dspark_sgl.spec.markov import Proposal, rollout
 from dspark_sgl.spec.sampling import draft_probs
@@ -79,11 +83,14 @@ class DSparkWorker(BaseSpecWorker):
         self.generator = torch.Generator(device=self.device).manual_seed(int(target_worker.random_seed))
         self.block_pos_offsets = torch.arange(self.verify_width, device=self.device)
         self.context: DraftContextPool | None = None  # sized in alloc_memory_pool, once SGLang's pool exists
+        self.planner = VerifyPlanner.from_server_args(spec, self.draft)
         logger.info(
-            "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests",
+            "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
+            "%s verify schedule",
             self.gamma,
             self.draft.config.target_layer_ids,
             "block" if self.block_verification else "token-wise rejection",
+            self.planner.policy,
         )
 
     def __getattr__(self, name):  # like the builtin: anything else the scheduler asks is the target worker's
@@ -109,11 +116,11 @@ class DSparkWorker(BaseSpecWorker):
         pool = self.model_runner.token_to_kv_pool
         self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.model_runner.dtype)
 
-    def dump_info_records(self):
-        return None
+    def dump_info_records(self) -> dict:
+        return self.planner.info()
 
     def clear_info_records(self) -> None:
-        pass
+        self.planner.clear()
 
     def block_accept_estimate_log_suffix(self):
         return None
@@ -157,15 +164,6 @@ class DSparkWorker(BaseSpecWorker):
         bs, W = len(batch.seq_lens), self.verify_width
         seq_lens = batch.seq_lens.long()
         anchor = draft_input.bonus_tokens.view(-1).long()
-        window = alloc_verify_window(
-            batch=batch,
-            bs=bs,
-            device=self.device,
-            verify_num_draft_tokens=W,
-            block_pos_offsets=self.block_pos_offsets,
-            model_runner=self.model_runner,
-            seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
-        )
         sampling = batch.sampling_info
         greedy = (sampling.top_ks <= 1).view(-1).tolist()
         temps = sampling.temperatures.view(-1).tolist()
@@ -175,16 +173,24 @@ class DSparkWorker(BaseSpecWorker):
         prop = self._rollout(h, anchor, greedy, temps)
 
         verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
-        logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids)
-        target_logits = logits_output.next_token_logits  # [bs·W, V], penalties/logit-bias applied
-        acc = self._accept(prop, target_logits, sampling, greedy, temps)
+        if self.planner.needs_profile(bs):
+            self._profile_sps(batch, draft_input, verify_ids)
+        lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
+        if batch.return_logprob:  # SGLang's spec logprobs read a full window
+            lengths = torch.full_like(lengths, W)
+        w = int(lengths.max())  # the target runs the longest scheduled prefix of every request
+        window = self._window(batch, draft_input, w)
+        logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
+        target_logits = logits_output.next_token_logits  # [bs·w, V], penalties/logit-bias applied
+        acc = self._accept(prop, target_logits, sampling, greedy, temps, lengths - 1)
+        self.planner.record(lengths, w, acc.num_accepted)
 
         c = acc.num_accepted
         cols = torch.arange(W, device=self.device)[None]
         out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
         out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
-        keep = cols <= c[:, None]  # the anchor and the accepted drafts now hold target KV: give them context
-        aux = logits_output.hidden_states.view(bs, W, -1)
+        keep = cols[:, :w] <= c[:, None]  # the anchor and the accepted drafts now hold target KV: give them context
+        aux = logits_output.hidden_states.view(bs, w, -1)
         self.context.write(window.verify_cache_loc_2d[keep], aux[keep], window.positions_2d[keep])
         logits_output.hidden_states = None
 
@@ -203,6 +209,36 @@ class DSparkWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
+    def _window(self, batch, draft_input, width: int):
+        """The first `width` columns of the verify window SGLang pre-allocated for this step (γ+1 slots each)."""
+        return alloc_verify_window(
+            batch=batch,
+            bs=len(batch.seq_lens),
+            device=self.device,
+            verify_num_draft_tokens=width,
+            block_pos_offsets=self.block_pos_offsets[:width],
+            model_runner=self.model_runner,
+            seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
+        )
+
+    def _profile_sps(self, batch, draft_input, verify_ids: Tensor, repeats: int = 3) -> None:
+        """Time the target verify forward of this very batch at widths 1..γ+1 (SPS on the live engine). Each probe
+        writes target KV only into this step's own window slots, which the real verify then overwrites."""
+        sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else (lambda: None)
+        rates = {}
+        for w in range(1, self.verify_width + 1):
+            window = self._window(batch, draft_input, w)
+            seconds = []
+            for i in range(repeats + 1):  # the first run is a warm-up
+                sync()
+                t0 = time.perf_counter()
+                self._verify(batch, draft_input, window, verify_ids[:, :w])
+                sync()
+                if i:
+                    seconds.append(time.perf_counter() - t0)
+            rates[w] = 1.0 / max(sorted(seconds)[len(seconds) // 2], 1e-9)
+        self.planner.add_profile(len(batch.seq_lens), rates)
+
     def _rollout(self, h: Tensor, anchor: Tensor, greedy: list[bool], temps: list[float]) -> Proposal:
         """The shared Markov rollout, run once per distinct draft temperature in the batch (0 for greedy rows)."""
         row_temp = [0.0 if g else t for g, t in zip(greedy, temps, strict=True)]
@@ -212,16 +248,21 @@ class DSparkWorker(BaseSpecWorker):
             parts.append((rows, rollout(self.draft, h[rows], anchor[rows], temp, self.generator)))
         if len(parts) == 1:
             return parts[0][1]
-        first = parts[0][1]
-        tokens = torch.empty((h.shape[0], *first.tokens.shape[1:]), dtype=first.tokens.dtype, device=self.device)
-        logits = torch.empty((h.shape[0], *first.logits.shape[1:]), dtype=first.logits.dtype, device=self.device)
-        for rows, p in parts:
-            tokens[rows], logits[rows] = p.tokens, p.logits
-        return Proposal(tokens, logits, None)
+        merged = []
+        for name in ("tokens", "logits", "conf_logits"):
+            first = getattr(parts[0][1], name)
+            if first is None:
+                merged.append(None)
+                continue
+            out = first.new_empty((h.shape[0], *first.shape[1:]))
+            for rows, p in parts:
+                out[rows] = getattr(p, name)
+            merged.append(out)
+        return Proposal(*merged)
 
     def _verify(self, batch, draft_input, window, verify_ids: Tensor):
-        """SGLang's TARGET_VERIFY forward over [anchor, drafts] at the pre-allocated window slots."""
-        W = self.verify_width
+        """SGLang's TARGET_VERIFY forward over verify_ids [bs, W] = [anchor, drafts] at the window's slots."""
+        W = verify_ids.shape[1]
         verify_input = DFlashVerifyInput(
             draft_token=verify_ids.reshape(-1),
             positions=window.positions_2d.reshape(-1),
@@ -250,10 +291,13 @@ class DSparkWorker(BaseSpecWorker):
         )
         return out.logits_output, out.can_run_cuda_graph
 
-    def _accept(self, prop: Proposal, target_logits: Tensor, sampling, greedy: list[bool], temps: list[float]):
+    def _accept(self, prop: Proposal, target_logits: Tensor, sampling, greedy: list[bool], temps: list[float],
+                limit: Tensor):
         """Greedy rows: leading run of argmax matches. Sampled rows: rejection (or block) verification against
-        the distribution SGLang itself samples from (temperature, top-k, top-p) and the draft's softmax(ℓ/T)."""
-        bs, W = prop.tokens.shape[0], self.verify_width
+        the distribution SGLang itself samples from (temperature, top-k, top-p) and the draft's softmax(ℓ/T).
+        target_logits cover the first W = limit.max() + 1 columns; request r accepts at most limit[r] drafts."""
+        bs, W = prop.tokens.shape[0], target_logits.shape[0] // prop.tokens.shape[0]
+        drafts, draft_logits = prop.tokens[:, : W - 1], prop.logits[:, : W - 1]
         num_accepted = torch.zeros(bs, dtype=torch.long, device=self.device)
         bonus = torch.zeros(bs, dtype=torch.long, device=self.device)
 
@@ -264,7 +308,7 @@ class DSparkWorker(BaseSpecWorker):
         greedy_rows = [i for i in range(bs) if greedy[i]]
         if greedy_rows:
             idx = torch.tensor(greedy_rows, device=self.device)
-            put(greedy_rows, greedy_accept(prop.tokens[idx], target_logits.view(bs, W, -1)[idx]))
+            put(greedy_rows, greedy_accept(drafts[idx], target_logits.view(bs, W, -1)[idx], limit[idx]))
         if len(greedy_rows) < bs:
             p = build_speculative_verify_target_probs(
                 next_token_logits=target_logits, sampling_info=sampling, draft_token_num=W, bs=bs
@@ -273,8 +317,8 @@ class DSparkWorker(BaseSpecWorker):
             for temp in sorted({temps[i] for i in range(bs) if not greedy[i]}):
                 rows = [i for i in range(bs) if not greedy[i] and temps[i] == temp]
                 idx = torch.tensor(rows, device=self.device)
-                q = draft_probs(prop.logits[idx], temp)
-                put(rows, rule(prop.tokens[idx], q, p[idx].float(), None, self.generator))
+                q = draft_probs(draft_logits[idx], temp)
+                put(rows, rule(drafts[idx], q, p[idx].float(), limit[idx], self.generator))
         return Acceptance(num_accepted, bonus)
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:

@@ -71,7 +71,7 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 240.0) -> Server:
+    def start(self, timeout: float = 600.0) -> Server:
         py = sglang_python()
         if py is None:
             raise RuntimeError("no venv with sglang + dspark_sgl (run .ci/install_sglang.sh)")
@@ -95,7 +95,7 @@ class Server:
         self.stop()
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()[-3000:]}")
 
-    def run_to_exit(self, timeout: float = 240.0) -> tuple[int, str]:
+    def run_to_exit(self, timeout: float = 600.0) -> tuple[int, str]:
         """Start expecting a start-up failure: (exit code, log)."""
         py = sglang_python()
         cmd = [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
@@ -170,7 +170,9 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
 
     The backbone is random but its final norm is ~0, so base logits are tiny and each draft token is the bigram
     successor of the previous one: a good predictor of a target that repeats itself, built without training. The
-    whole draft path (context K/V, block forward, rollout, confidence) still runs.
+    confidence head says 0.95 when the previous token is in the table and 0.05 when it is not, so the confidence
+    schedule has something true to act on. The whole draft path (context K/V, block forward, rollout, confidence)
+    still runs.
     """
     import torch
 
@@ -201,4 +203,9 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
         for j, prev in enumerate(prevs):
             head.markov_w1.weight[prev, j] = 1.0
             head.markov_w2.weight[table[prev], j] = scale
+        conf = draft.confidence_head
+        if conf is not None and conf.with_markov:
+            conf.proj.weight.zero_()
+            conf.proj.weight[0, config.hidden_size:] = 6.0  # markov_w1(prev) is one-hot when prev is known
+            conf.proj.bias.fill_(-3.0)
     return save_draft(draft, out_dir)

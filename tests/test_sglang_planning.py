@@ -1,0 +1,96 @@
+"""The SGLang worker's verify planning (policy choice, live SPS table, STS) without SGLang itself."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.sglang.planning import VerifyPlanner, choose_policy, size_bucket
+from dspark_sgl.spec.scheduler import schedule
+from dspark_sgl.spec.sps import SpsTable
+from dspark_sgl.spec.sts import apply_sts, save_sts
+from tests.conftest import tiny_draft_config
+
+
+def spec_args(sps=None, sts=None):
+    return SimpleNamespace(speculative_dspark_sps_table_path=sps, speculative_dspark_confidence_sts_path=sts)
+
+
+@pytest.mark.parametrize(
+    ("head", "mode", "policy"),
+    [(True, None, "confidence"), (False, None, "static"), (True, "static", "static"),
+     (True, "compact", "confidence"), (True, "cap-accept", "confidence"), (False, "static", "static")],
+)
+def test_policy_follows_sglang_switch_and_defaults_to_confidence(head, mode, policy):
+    assert choose_policy(head, mode) == policy
+
+
+def test_policy_errors():
+    with pytest.raises(ValueError, match="expected one of"):
+        choose_policy(True, "ragged")
+    with pytest.raises(ValueError, match="needs a draft with a confidence head"):
+        choose_policy(False, "compact")
+
+
+def test_size_buckets():
+    assert [size_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 48)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_live_profile_fills_a_monotone_table_and_saves_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    draft = DSparkDraft(tiny_draft_config(block_size=3))
+    path = tmp_path / "sps.json"
+    planner = VerifyPlanner.from_server_args(spec_args(sps=str(path)), draft)
+    assert planner.policy == "confidence" and planner.sps is None and planner.needs_profile(3)
+    # before any table exists the planner verifies everything (never guesses a flat table)
+    assert planner.verify_lengths(torch.zeros(2, 3), 2, "cpu").tolist() == [4, 4]
+
+    planner.add_profile(3, {1: 100.0, 2: 60.0, 3: 70.0, 4: 40.0})  # a measured bump at width 3
+    assert not planner.needs_profile(4) and planner.needs_profile(5)
+    saved = SpsTable.load(path)
+    assert saved.tokens == [3, 6, 9, 12] and saved.is_monotone()
+    assert saved.meta["raw_steps_per_s"] == [100.0, 60.0, 70.0, 40.0]
+
+    planner.add_profile(1, {1: 200.0, 2: 150.0, 3: 120.0, 4: 110.0})
+    assert SpsTable.load(path).tokens == [1, 2, 3, 4, 6, 9, 12]
+
+
+def test_a_given_table_is_loaded_and_never_reprofiled(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    path = tmp_path / "sps.json"
+    SpsTable([1, 8, 64], [100.0, 90.0, 20.0]).save(path)
+    planner = VerifyPlanner.from_server_args(spec_args(sps=str(path)), DSparkDraft(tiny_draft_config(block_size=3)))
+    assert planner.sps.tokens == [1, 8, 64] and not any(planner.needs_profile(b) for b in (1, 7, 48, 1000))
+    planner.add_profile(1, {1: 1.0})  # never called by the worker then; must not overwrite the operator's file
+    assert json.loads(path.read_text())["steps_per_s"] == [100.0, 90.0, 20.0]
+
+
+def test_lengths_are_the_shared_scheduler_with_sts(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    sts = tmp_path / "sts.json"
+    save_sts(sts, torch.tensor([1.0, 2.0, 0.5]))
+    planner = VerifyPlanner.from_server_args(spec_args(sts=str(sts)), DSparkDraft(tiny_draft_config(block_size=3)))
+    planner.add_profile(4, {1: 100.0, 2: 50.0, 3: 34.0, 4: 25.0})  # cost linear in tokens
+    z = torch.tensor([[4.0, 4.0, 4.0], [-4.0, 4.0, 4.0], [4.0, -4.0, 0.0], [0.0, 0.0, 0.0]])
+    got = planner.verify_lengths(z, 4, "cpu")
+    want = schedule(apply_sts(z, torch.tensor([1.0, 2.0, 0.5])), planner.sps, "confidence")
+    assert torch.equal(got, want)
+    assert got[1] == 1 and got[0] == got.max() > 1  # a doubtful first draft: anchor only; the confident row: most
+
+
+def test_static_policy_and_stats(monkeypatch):
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "static")
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    assert planner.policy == "static" and not planner.needs_profile(1)
+    lengths = planner.verify_lengths(torch.full((2, 3), 5.0), 2, "cpu")
+    assert lengths.tolist() == [4, 4]
+    planner.record(lengths, 4, torch.tensor([3, 1]))
+    info = planner.info()
+    assert info["schedule"] == "static" and info["mean_target_tokens_per_request"] == 4
+    assert info["mean_accepted_drafts"] == 2 and info["decode_steps"] == 1
+    planner.clear()
+    assert planner.info()["decode_steps"] == 0
