@@ -215,6 +215,9 @@ def calibrate(
     temperature: float = 0.0,
     dtype: str = "float32",
     out: Annotated[Path | None, typer.Option(help="Where to write sts.json (default: the draft folder).")] = None,
+    heldout: Annotated[list[Path] | None, typer.Option(
+        help="JSONL prompts to report calibration on, not the fitting ones (held-out ECE); repeatable.")] = None,
+    heldout_limit: int = 50,
 ) -> None:
     """Sequential temperature scaling of the confidence head from real speculative runs (ECE/AUROC/Brier)."""
     from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
@@ -225,16 +228,23 @@ def calibrate(
     try:
         tgt, model, tok = load_pair(target, draft, dtype)
         engine = SpecEngine(tgt, model)
-        gens = []
-        for path in data:
-            gens += evaluate_dataset(engine, tok, path, limit, max_new_tokens, SamplingConfig(temperature),
-                                     eos_ids(tok, tgt))[1]
-        logits, accepted = confidence_pairs(gens)
+
+        def pairs(paths: list[Path], n: int):
+            gens = []
+            for path in paths:
+                gens += evaluate_dataset(engine, tok, path, n, max_new_tokens, SamplingConfig(temperature),
+                                         eos_ids(tok, tgt))[1]
+            return confidence_pairs(gens)
+
+        logits, accepted = pairs(data, limit)
+        test_logits, test_accepted = pairs(heldout, heldout_limit) if heldout else (logits, accepted)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     temps = fit_sts(logits, accepted)
-    before, after = calibration_report(logits, accepted), calibration_report(logits, accepted, temps)
-    t = Table(title=f"STS calibration on {len(accepted)} verify steps")
+    before = calibration_report(test_logits, test_accepted)
+    after = calibration_report(test_logits, test_accepted, temps)
+    where = f"{len(test_accepted)} held-out verify steps" if heldout else "the same steps (in-sample)"
+    t = Table(title=f"STS fitted on {len(accepted)} verify steps, reported on {where}")
     for col in ("position", "T", "ECE before", "ECE after", "AUROC before", "AUROC after", "Brier before",
                 "Brier after", "accept rate"):
         t.add_column(col, justify="right")
@@ -244,7 +254,8 @@ def calibrate(
                   f"{after['brier'][k]:.4f}", f"{after['accept_rate'][k]:.3f}")
     Console().print(t)
     dest = out or Path(draft) / "sts.json"
-    save_sts(dest, temps, {"before": before, "after": after, "steps": len(accepted)})
+    save_sts(dest, temps, {"before": before, "after": after, "fit_steps": len(accepted),
+                           "report_steps": len(test_accepted), "heldout": bool(heldout)})
     console.print(f"wrote {dest}")
 
 
