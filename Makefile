@@ -15,10 +15,18 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo test lint test-sglang
+.PHONY: install demo quick-demo test lint test-sglang
 install: $(BIN)/dspark
 
+# The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
+# online distillation, export, `dspark eval` on held-out GSM8K), then generate with it. Re-running resumes.
+DEMO_RUN := runs/smollm2-135m-cpu
 demo: install
+	$(BIN)/torchrun --nproc-per-node 2 -m training --config configs/smollm2-135m-cpu.yaml --resume
+	$(BIN)/dspark generate --target smollm2 --draft $(DEMO_RUN)/draft --chat "Tom has 3 boxes of 12 pencils and gives away 10. How many pencils are left?" --max-new-tokens 96
+
+# Seconds, not an hour: a random draft through the same engine (τ ≈ 1, output still exactly the target's).
+quick-demo: install
 	$(BIN)/dspark init-draft --target smollm2 --out out/draft-random
 	$(BIN)/dspark generate --target smollm2 --draft out/draft-random --chat "What is 7 times 8? Explain briefly." --max-new-tokens 64
 
