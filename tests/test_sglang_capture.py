@@ -179,13 +179,8 @@ def sgl_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def target_dir(sgl_python) -> Path:
-    from dspark_sgl.target.smollm2 import smollm2_hf_dir
-
-    try:
-        return smollm2_hf_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def target_dir(sgl_python, smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")

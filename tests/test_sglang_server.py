@@ -57,13 +57,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def target_dir() -> Path:
-    from dspark_sgl.target.smollm2 import smollm2_hf_dir
-
-    try:
-        return smollm2_hf_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def target_dir(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
