@@ -60,9 +60,9 @@ class VerifyPlanner:
     profiled_buckets: set[int] = field(default_factory=set)
     steps: int = 0
     requests: int = 0
-    verified_drafts: int = 0  # scheduled drafts, summed over requests and steps
+    verified_drafts: Tensor | int = 0  # scheduled drafts, summed over requests and steps (stays on the device)
     run_tokens: int = 0  # tokens the target actually ran (batch × window)
-    accepted: int = 0
+    accepted: Tensor | int = 0  # stays on the device: recording a step costs no host sync
 
     @classmethod
     def from_server_args(cls, spec, draft) -> VerifyPlanner:
@@ -111,9 +111,9 @@ class VerifyPlanner:
     def record(self, lengths: Tensor, width: int, accepted: Tensor) -> None:
         self.steps += 1
         self.requests += lengths.numel()
-        self.verified_drafts += int((lengths - 1).sum())
+        self.verified_drafts = self.verified_drafts + (lengths - 1).sum()
         self.run_tokens += lengths.numel() * width
-        self.accepted += int(accepted.sum())
+        self.accepted = self.accepted + accepted.sum()
 
     def info(self) -> dict:
         """What `/server_info` shows under internal_states[...]["dspark_info_record"]."""
@@ -122,9 +122,9 @@ class VerifyPlanner:
             "worker": "dspark-sgl",
             "schedule": self.policy,
             "decode_steps": self.steps,
-            "mean_scheduled_drafts": self.verified_drafts / n,
+            "mean_scheduled_drafts": float(self.verified_drafts) / n,
             "mean_target_tokens_per_request": self.run_tokens / n,
-            "mean_accepted_drafts": self.accepted / n,
+            "mean_accepted_drafts": float(self.accepted) / n,
             "sts": None if self.temperatures is None else [float(t) for t in self.temperatures],
             "sps_table": None if self.sps is None else self.sps.to_dict(),
         }

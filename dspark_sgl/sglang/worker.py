@@ -19,7 +19,6 @@ per-request bookkeeping (accept lengths, histograms, /server_info).
 from __future__ import annotations
 
 import logging
-import time
 from types import SimpleNamespace
 
 import torch
@@ -45,6 +44,7 @@ from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.spec.accept import Acceptance, block_accept, greedy_accept, rejection_accept
 from dspark_sgl.spec.markov import Proposal, rollout
 from dspark_sgl.spec.sampling import draft_probs
+from dspark_sgl.spec.sps import profile_sps
 
 logger = logging.getLogger(__name__)
 
@@ -221,23 +221,14 @@ class DSparkWorker(BaseSpecWorker):
             seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
         )
 
-    def _profile_sps(self, batch, draft_input, verify_ids: Tensor, repeats: int = 3) -> None:
+    def _profile_sps(self, batch, draft_input, verify_ids: Tensor) -> None:
         """Time the target verify forward of this very batch at widths 1..γ+1 (SPS on the live engine). Each probe
         writes target KV only into this step's own window slots, which the real verify then overwrites."""
-        sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else (lambda: None)
-        rates = {}
-        for w in range(1, self.verify_width + 1):
-            window = self._window(batch, draft_input, w)
-            seconds = []
-            for i in range(repeats + 1):  # the first run is a warm-up
-                sync()
-                t0 = time.perf_counter()
-                self._verify(batch, draft_input, window, verify_ids[:, :w])
-                sync()
-                if i:
-                    seconds.append(time.perf_counter() - t0)
-            rates[w] = 1.0 / max(sorted(seconds)[len(seconds) // 2], 1e-9)
-        self.planner.add_profile(len(batch.seq_lens), rates)
+        windows = {w: self._window(batch, draft_input, w) for w in range(1, self.verify_width + 1)}
+        sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else None
+        table = profile_sps(lambda w: self._verify(batch, draft_input, windows[w], verify_ids[:, :w]), list(windows),
+                            warmup=1, repeats=3, sync=sync, smooth=False)
+        self.planner.add_profile(len(batch.seq_lens), dict(zip(table.tokens, table.steps_per_s, strict=True)))
 
     def _rollout(self, h: Tensor, anchor: Tensor, greedy: list[bool], temps: list[float]) -> Proposal:
         """The shared Markov rollout, run once per distinct draft temperature in the batch (0 for greedy rows)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dspark_sgl.spec.sampling import sample
@@ -35,10 +36,10 @@ def _prefix_len(ok: Tensor, limit: Tensor) -> Tensor:
     return ok.long().cumprod(-1).sum(-1).minimum(limit)
 
 
-def _no_drafts(p: Tensor, generator) -> Acceptance:
-    """A verify of the anchor alone (the scheduler admitted no draft): the bonus is a plain sample from p_1."""
-    zeros = torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
-    return Acceptance(zeros, sample(p[:, 0], generator))
+def _pad_q(q: Tensor) -> Tensor:
+    """q [B, γ, V] with a zero row appended: after a full accept the bonus comes from p itself (γ may be 0: a verify
+    of the anchor alone)."""
+    return torch.cat((q, q.new_zeros(q.shape[0], 1, q.shape[-1])), 1)
 
 
 def _residual(p: Tensor, q: Tensor) -> Tensor:
@@ -59,15 +60,13 @@ def rejection_accept(
     draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None, generator: torch.Generator | None = None
 ) -> Acceptance:
     B, gamma = draft_tokens.shape
-    if gamma == 0:
-        return _no_drafts(p, generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(B, gamma, generator=generator, device=p.device)
     c = _prefix_len(u * qx < px, lim)
     row = p.gather(1, c[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
-    q_pad = torch.cat((q, torch.zeros_like(q[:, :1])), 1)  # after a full accept the bonus comes from p itself
+    q_pad = _pad_q(q)
     q_row = q_pad.gather(1, c[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
     q_row = torch.where((c == lim)[:, None], torch.zeros_like(q_row), q_row)
     return Acceptance(c, sample(_residual(row, q_row), generator))
@@ -83,8 +82,6 @@ def block_accept(
     Accept the largest i with η_i ≤ h_i (0 if none); bonus ~ norm(max(ρ_c p_{c+1} − q_{c+1}, 0)), or p_{L+1} if c = L.
     """
     B, gamma = draft_tokens.shape
-    if gamma == 0:
-        return _no_drafts(p, generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -92,7 +89,7 @@ def block_accept(
     rho = torch.ones(B, gamma + 1, device=p.device)  # rho[:, i] = ρ_i, rho[:, 0] = 1
     for i in range(1, gamma + 1):
         rho[:, i] = (rho[:, i - 1] * ratio[:, i - 1]).clamp(max=1.0)
-    q_pad = torch.cat((q, torch.zeros_like(q[:, :1])), 1)  # [B, γ+1, V]
+    q_pad = _pad_q(q)  # [B, γ+1, V]
     # R_i for i = 1..γ uses the next rows p_{i+1} = p[:, i], q_{i+1} = q_pad[:, i]
     R = (rho[:, 1:, None] * p[:, 1:] - q_pad[:, 1:]).clamp(min=0).sum(-1)  # [B, γ]
     r1 = rho[:, 1:]
@@ -101,7 +98,7 @@ def block_accept(
     h = torch.where(idx[None] == lim[:, None], r1, h)  # h_L = ρ_L
     eta = torch.rand(B, gamma, generator=generator, device=p.device)
     ok = (eta <= h) & (idx[None] <= lim[:, None])
-    c = torch.where(ok, idx[None], torch.zeros_like(idx[None])).max(-1).values
+    c = F.pad(torch.where(ok, idx[None], 0), (1, 0)).amax(-1)  # the largest accepted i, 0 if none (γ may be 0)
     rho_c = rho.gather(1, c[:, None])
     p_row = p.gather(1, c[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
     q_row = q_pad.gather(1, c[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)

@@ -14,6 +14,14 @@ import torch
 __version__ = "0.0.0+dspark-cpu-standin"
 
 
+def _runs(req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor):
+    """(request row, its token span, the matching span of the flat out_cache_loc) for each request."""
+    offset = 0
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True):
+        yield row, slice(start, end), slice(offset, offset + end - start)
+        offset += end - start
+
+
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -24,12 +32,8 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     """req_to_token[req_pool_indices[i], start[i]:end[i]] = the i-th run of out_cache_loc."""
     del pool_len  # a row stride for the C++ kernel; the tensor knows its shape
-    starts, ends = start_offset.tolist(), end_offset.tolist()
-    offset = 0
-    for row, start, end in zip(req_pool_indices.tolist(), starts, ends, strict=True):
-        n = end - start
-        req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
-        offset += n
+    for row, span, flat in _runs(req_pool_indices, start_offset, end_offset):
+        req_to_token[row, span] = out_cache_loc[flat].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
@@ -42,11 +46,8 @@ def assign_extend_cache_locs_cpu(
 ) -> None:
     """The inverse gather: out_cache_loc's i-th run = req_to_token[req_pool_indices[i], start[i]:end[i]]."""
     del pool_len
-    offset = 0
-    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True):
-        n = end - start
-        out_cache_loc[offset : offset + n] = req_to_token[row, start:end].to(out_cache_loc.dtype)
-        offset += n
+    for row, span, flat in _runs(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[flat] = req_to_token[row, span].to(out_cache_loc.dtype)
 
 
 def copy_all_layer_kv_cache_cpu(
