@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -152,3 +154,32 @@ def test_unbound_draft_says_what_to_do():
     d = DSparkDraft(config())
     with pytest.raises(RuntimeError, match="bind_target"):
         d.embed(torch.tensor([1]))
+
+
+def test_markov_head_init_learns_a_bigram_quickly():
+    """The Markov bias W2·W1[prev] must not start at the saddle where both factors are tiny: with the init of
+    `reset_parameters` and the training LR (1e-3, Adam), 100 steps fit a deterministic bigram table far below the
+    uniform cross-entropy; with both factors at std 0.02 the same run is still half-way (1.37 vs 2.70 nats here)."""
+
+    def fit(std_w1: float | None) -> float:
+        torch.manual_seed(0)
+        c = DSparkConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, intermediate_size=64, vocab_size=64, block_size=4, mask_token_id=63,
+                         markov_rank=64, target_layer_ids=[0], num_target_layers=2)
+        head = DSparkDraft(c).markov_head
+        if std_w1 is not None:
+            torch.nn.init.normal_(head.markov_w1.weight, std=std_w1)
+        opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+        prev = torch.arange(63).repeat(4)
+        nxt = (prev * 7 + 3) % 63
+        for _ in range(100):
+            loss = torch.nn.functional.cross_entropy(head.bias(head.latent(prev, torch.zeros(len(prev), 32), None)[0]),
+                                                     nxt)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    uniform = math.log(64)
+    assert fit(None) < 0.45 * uniform
+    assert fit(0.02) > 0.55 * uniform  # the old init: the first assertion fails with it

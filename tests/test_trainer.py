@@ -131,6 +131,32 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
     assert_same_weights(weights(tmp_path / "full" / "run"), weights(tmp_path / "killed" / "run"), atol=0)
 
 
+def test_small_budget_options_resume_exactly_and_export_the_trained_function(tiny, tmp_path):
+    """Warm start + fc input scale + RAM feature cache, end to end: the measured scale rides in the checkpoint (a
+    resumed run does not re-measure it on other data), and the export folds it into fc."""
+    opts = {"optim": {"lr": 3e-3, "warmup_ratio": 0.2, "scale_aux": True}, "init": {"target_layers": [2, 3]},
+            "draft": {"intermediate_size": 64},  # the tiny target's FFN, so its layers can be copied
+            "stream": {"memory_cache_mb": 64}, "train": {"max_steps": 8, "save_every": 4}}
+    full = write_recipe(tiny, tmp_path / "full", **opts)
+    out = run_training(full)
+    assert "draft layers copied from target layers [2, 3]" in out.stdout
+    # "Kill" after step 4: drop the step-8 checkpoint and the export, point `latest` back at step 4, resume.
+    again = write_recipe(tiny, tmp_path / "again", **opts)
+    run_training(again)
+    ckpts = tmp_path / "again" / "run" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(ckpts / "step-00000008")
+    shutil.rmtree(tmp_path / "again" / "run" / "draft")
+    (ckpts / "latest").write_text("step-00000004\n")
+    out = run_training(again, "--resume")
+    assert "resumed from step 4" in out.stdout
+    a, b = weights(tmp_path / "full" / "run"), weights(tmp_path / "again" / "run")
+    assert_same_weights(a, b, atol=1e-5)  # cached vs re-captured features: same fp32 target, same values
+    init = weights_after_zero_steps(tiny, tmp_path)
+    assert float((a["fc.weight"] - init["fc.weight"]).abs().max()) > 1e-3
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------
 def test_unknown_recipe_key_is_named(tiny, tmp_path):
     path = write_recipe(tiny, tmp_path, train={"learning_rate": 1e-3})
@@ -145,6 +171,9 @@ def test_override_types_are_checked(tiny, tmp_path):
     assert load_recipe(path, ["train.max_steps=7"]).train.max_steps == 7
     with pytest.raises(RecipeError, match="train.global_batch"):
         load_recipe(path, ["train.global_batch=abc"])
+    assert load_recipe(path, ["optim.lr=3e-3"]).optim.lr == 3e-3  # PyYAML reads 3e-3 as a string
+    with pytest.raises(RecipeError, match="optim.lr"):
+        load_recipe(path, ["optim.lr=fast"])
 
 
 def test_layer_ids_beyond_target(tiny, tmp_path):

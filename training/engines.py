@@ -238,6 +238,69 @@ class StreamSource:
         self.client.close()
 
 
+class MemoryCachedSource:
+    """A source whose captures are kept in RAM, up to a byte budget, for the epochs that follow.
+
+    The target is frozen, so a sample's features never change: a small run that revisits its samples for several
+    epochs (the CPU recipe) need not pay the target prefill again. Nothing touches the disk; samples beyond the budget
+    are simply captured again. Off by default: a re-captured sample may differ in the last bit from its cached copy
+    (other batch padding), and exact-resume runs want every capture taken the same way.
+    """
+
+    def __init__(self, inner, budget_bytes: int):
+        self.inner, self.budget, self.used = inner, budget_bytes, 0
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def pad_id(self) -> int:
+        return self.inner.pad_id
+
+    @pad_id.setter
+    def pad_id(self, value: int) -> None:
+        self.inner.pad_id = value
+
+    def submit(self, items: list[tuple[int, Sample]]) -> None:
+        self.inner.submit([it for it in items if it[1].id not in self.cache])
+
+    def batch(self, items: list[tuple[int, Sample]], device) -> Batch:
+        missing = [it for it in items if it[1].id not in self.cache]
+        rows = {}
+        if missing:
+            fresh = self.inner.batch(missing, "cpu")
+            for b, (_, s) in enumerate(missing):
+                n = int(fresh.lengths[b])
+                rows[s.id] = (fresh.input_ids[b, :n], fresh.loss_mask[b, :n], fresh.aux_hidden[b, :n].clone(),
+                              fresh.last_hidden[b, :n].clone())
+                size = sum(t.numel() * t.element_size() for t in rows[s.id])
+                if self.used + size <= self.budget:
+                    self.cache[s.id], self.used = rows[s.id], self.used + size
+        rows.update({s.id: self.cache[s.id] for _, s in items if s.id not in rows})
+        batch = stack_rows([rows[s.id] for _, s in items], [s.id for _, s in items], self.pad_id)
+        return Batch(batch.input_ids.to(device), batch.loss_mask.to(device), batch.lengths.to(device),
+                     batch.sample_ids, batch.aux_hidden.to(device), batch.last_hidden.to(device))
+
+    def pending(self) -> list[int]:
+        return self.inner.pending()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def stack_rows(rows, sample_ids: list[int], pad_id: int) -> Batch:
+    """Right-padded Batch from per-sample (ids, mask, aux, last) rows."""
+    S = max(r[0].shape[0] for r in rows)
+    B = len(rows)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    aux = torch.zeros(B, S, rows[0][2].shape[-1], dtype=rows[0][2].dtype)
+    last = torch.zeros(B, S, rows[0][3].shape[-1], dtype=rows[0][3].dtype)
+    for b, (i, m, a, h) in enumerate(rows):
+        n = i.shape[0]
+        ids[b, :n], mask[b, :n], aux[b, :n], last[b, :n] = i, m, a, h
+    lengths = torch.tensor([r[0].shape[0] for r in rows])
+    return Batch(ids, mask, lengths, torch.tensor(sample_ids), aux, last)
+
+
 class EngineSupervisor:
     """The colocated engine of one rank: started with the rank, restarted when it is found dead."""
 
@@ -278,7 +341,7 @@ def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, 
         if e.kind != "hf":
             raise EngineError("engine.placement=inprocess is only possible with engine.kind=hf")
         target = load_hf_target(recipe, dcfg.target_layer_ids, device)
-        return InProcessSource(target, pad_id), [], target
+        return cached(recipe, InProcessSource(target, pad_id)), [], target
     procs = []
     if e.placement == "colocated":
         bind = f"ipc://{out_dir.resolve()}/engine-{rank}.sock"
@@ -291,7 +354,12 @@ def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, 
     client = StreamClient(endpoints, per_token, credits=recipe.stream.credits,
                           byte_budget=int(recipe.stream.byte_budget_mb * 2**20), timeout_s=recipe.stream.timeout_s,
                           on_silence=procs[0].revive if procs else None)
-    return StreamSource(client, pad_id, dtype), procs, None
+    return cached(recipe, StreamSource(client, pad_id, dtype)), procs, None
+
+
+def cached(recipe: Recipe, source):
+    mb = recipe.stream.memory_cache_mb
+    return MemoryCachedSource(source, int(mb * 2**20)) if mb > 0 else source
 
 
 # ---- `python -m training.engines serve` --------------------------------------------------------------------

@@ -18,6 +18,7 @@ import yaml
 
 from training.data import DataConfig
 from training.objective import ObjectiveConfig
+from training.warmstart import InitConfig
 
 
 class RecipeError(ValueError):
@@ -53,6 +54,7 @@ class StreamConfig:
     byte_budget_mb: float = 1024.0  # in-flight + buffered hidden-state bytes per rank
     timeout_s: float = 120.0  # no reply from an engine for this long: its requests are re-sent elsewhere
     wire_dtype: str = "bfloat16"  # hidden states on the wire (float32 for exact runs)
+    memory_cache_mb: float = 0.0  # keep captures in RAM for later epochs (small multi-epoch runs); 0 = off
 
 
 @dataclass
@@ -64,6 +66,7 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     clip_grad_norm: float = 1.0
+    scale_aux: bool = False  # train fc on per-channel RMS-normalised target states (folded into fc at export)
 
 
 @dataclass
@@ -95,12 +98,14 @@ class EvalConfig:
     dtype: str = "float32"  # target + draft dtype for the eval
     batch_size: int = 1
     baseline: bool = True  # also time plain target decoding on the same prompts (the speed ratio)
+    threads: int | None = None  # torch threads for the eval (it runs on rank 0 alone: give it the idle cores)
 
 
 @dataclass
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: dict[str, Any] = field(default_factory=dict)  # DSparkConfig fields (validated against the target)
+    init: InitConfig = field(default_factory=InitConfig)  # where the draft's weights start
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -183,6 +188,11 @@ def _coerce(t, v, where: str):
         return tuple(v)
     if t is float and isinstance(v, int | float) and not isinstance(v, bool):
         return float(v)
+    if t is float and isinstance(v, str):  # PyYAML reads "3e-3" (no dot) as a string
+        try:
+            return float(v)
+        except ValueError:
+            raise RecipeError(f"{where}: expected a number, got {v!r}") from None
     if t in (int, str, bool) and not isinstance(v, t):
         raise RecipeError(f"{where}: expected {t.__name__}, got {v!r}")
     if t is int and isinstance(v, bool):

@@ -14,6 +14,7 @@ batches, anchors and updates of an uninterrupted one, and makes N ranks equal 1 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -48,17 +49,44 @@ from training.objective import (
     summarise,
 )
 from training.recipe import Recipe, RecipeError
+from training.warmstart import warm_start
 
 
 class ObjectiveModule(nn.Module):
     """The draft plus its objective as one module, so FSDP's forward hooks cover the loss heads too."""
 
-    def __init__(self, draft: DSparkDraft, cfg: ObjectiveConfig):
+    def __init__(self, draft: DSparkDraft, cfg: ObjectiveConfig, scale_aux: bool = False):
         super().__init__()
         self.draft, self.cfg = draft, cfg
+        # Why: target layers' outputs differ in scale by 10x between layers and up to 50x between channels (SmolLM2),
+        # so fc's gradient is dominated by a few channels and Adam's uniform step size learns the rest slowly. fc is
+        # trained on inputs divided by their per-channel RMS (measured on the first batch, 0 = not yet measured)
+        # and exported with the scale folded into its weight: the checkpoint format does not change.
+        self.register_buffer("aux_inv_scale", torch.zeros(draft.fc.in_features) if scale_aux else None)
 
     def forward(self, batch, anchors, valid):
+        if self.aux_inv_scale is not None:
+            batch = dataclasses.replace(batch, aux_hidden=batch.aux_hidden.float() * self.aux_inv_scale)
         return compute_objective(self.draft, batch, anchors, valid, self.cfg)
+
+    def measure_aux_scale(self, batch) -> None:
+        """Set aux_inv_scale from one micro-batch per rank (all ranks pooled), skipping each row's first token."""
+        x = batch.aux_hidden.float()
+        keep = torch.arange(x.shape[1], device=x.device)[None] < batch.lengths[:, None].to(x.device)
+        keep[:, 0] = False  # the attention-sink token carries 1e4-scale activations
+        stats = torch.cat([x[keep].pow(2).sum(0), keep.sum().reshape(1).float()]).double()
+        dist.all_reduce(stats)
+        rms = (stats[:-1] / stats[-1].clamp(min=1)).sqrt().float()
+        self.aux_inv_scale.copy_(1.0 / rms.clamp(min=1e-3))
+
+
+def fold_aux_scale(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Draft weights of an ObjectiveModule state dict, with a trained aux scale folded into fc.weight."""
+    state = dict(state)
+    inv = state.pop("aux_inv_scale", None)
+    if inv is not None:
+        state["draft.fc.weight"] = state["draft.fc.weight"] * inv.to(state["draft.fc.weight"].dtype)[None, :]
+    return {k.removeprefix("draft."): v for k, v in state.items()}
 
 
 @dataclass
@@ -174,12 +202,13 @@ class Trainer:
     def build_model(self, target) -> ObjectiveModule:
         torch.manual_seed(self.recipe.train.seed)  # identical init on every rank and every world size
         draft = DSparkDraft(self.dcfg)
+        self.log(warm_start(draft, self.recipe.init, self.target_dir))
         if target is not None:
             embed, head = target.embed_tokens, target.lm_head
         else:
             embed, head = load_target_heads(self.target_dir, TORCH_DTYPES[self.recipe.target.dtype], self.d.device)
         draft = draft.to(self.d.device).bind_target(embed, head)
-        module = ObjectiveModule(draft, self.recipe.objective)
+        module = ObjectiveModule(draft, self.recipe.objective, scale_aux=self.recipe.optim.scale_aux)
         return shard(module, TORCH_DTYPES[self.recipe.train.compute_dtype], self.recipe.train.reshard_after_forward)
 
     def run(self, resume: bool = False) -> Path:
@@ -257,6 +286,8 @@ class Trainer:
         tokens = 0
         for i, items in enumerate(micro):
             batch = source.batch(items, dev)
+            if model.aux_inv_scale is not None and not model.aux_inv_scale.any():
+                model.measure_aux_scale(batch)  # first step of a fresh run (a resumed run loads it)
             seeds = [anchor_seed(r.train.seed, step, int(s)) for s in batch.sample_ids]
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, r.objective.num_anchors, seeds)
             model.set_requires_gradient_sync(i == len(micro) - 1)
@@ -288,7 +319,7 @@ class Trainer:
         state = ckpt.full_state_dict(model)
         if self.main:
             draft = DSparkDraft(self.dcfg)
-            draft.load_state_dict({k.removeprefix("draft."): v for k, v in state.items()}, strict=True)
+            draft.load_state_dict(fold_aux_scale(state), strict=True)
             draft.save_pretrained(folder)
             self.log(f"exported draft to {folder}")
         dist.barrier()
@@ -302,6 +333,8 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
     from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
 
     e = recipe.eval
+    if e.threads:
+        torch.set_num_threads(e.threads)
     target, draft, tok = load_pair(recipe.target.path, str(draft_dir), e.dtype)
     engines = {"dspark": SpecEngine(target, draft)}
     if e.baseline:

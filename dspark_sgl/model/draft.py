@@ -269,6 +269,10 @@ class DSparkDraft(nn.Module):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        # The Markov bias is the product W2 · W1[prev]: with both factors at `std` it starts at a saddle (each
+        # factor's gradient is scaled by the other) and stays near zero for hundreds of steps. W1 is an embedding
+        # table and starts at unit scale like one, so W2 learns from the first step while the bias starts small.
+        nn.init.normal_(self.markov_head.markov_w1.weight, std=1.0)
 
     # ---- the one forward ---------------------------------------------------------------------------------
     def project_context(self, aux_hidden: Tensor) -> Tensor:
