@@ -66,6 +66,7 @@ def test_warm_start_errors_are_named(target):
 def test_init_from_draft_is_exact_and_checks_the_config(target, tmp_path):
     src = draft_for(target)
     src.reset_parameters()
+    src.config.sts_temperatures = [1.5] * 4  # a calibrated draft still warm-starts a fresh config
     src.save_pretrained(tmp_path / "d")
     dst = draft_for(target)
     assert "initialised from" in warm_start(dst, InitConfig(draft=str(tmp_path / "d")), target)
