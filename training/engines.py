@@ -198,8 +198,7 @@ class InProcessSource:
         attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
         out = self.target.capture(ids.to(self.target.device), attn.to(self.target.device))
         check_finite(out.aux, out.last_hidden, sids.tolist())
-        return Batch(ids.to(device), mask.to(device), lengths.to(device), sids,
-                     out.aux.to(device), out.last_hidden.to(device))
+        return Batch(ids, mask, lengths, sids, out.aux, out.last_hidden).to(device)
 
     def pending(self) -> list[int]:
         return []
@@ -229,7 +228,7 @@ class StreamSource:
                 raise EngineError(f"engine returned {f.aux.shape[0]} rows for a {int(lengths[b])}-token sample")
             aux[b, : f.aux.shape[0]], last[b, : f.last.shape[0]] = f.aux, f.last
         check_finite(aux, last, sids.tolist())
-        return Batch(ids.to(device), mask.to(device), lengths.to(device), sids, aux.to(device), last.to(device))
+        return Batch(ids, mask, lengths, sids, aux, last).to(device)
 
     def pending(self) -> list[int]:
         return self.client.pending_ids()
@@ -275,9 +274,7 @@ class MemoryCachedSource:
                 if self.used + size <= self.budget:
                     self.cache[s.id], self.used = rows[s.id], self.used + size
         rows.update({s.id: self.cache[s.id] for _, s in items if s.id not in rows})
-        batch = stack_rows([rows[s.id] for _, s in items], [s.id for _, s in items], self.pad_id)
-        return Batch(batch.input_ids.to(device), batch.loss_mask.to(device), batch.lengths.to(device),
-                     batch.sample_ids, batch.aux_hidden.to(device), batch.last_hidden.to(device))
+        return stack_rows([rows[s.id] for _, s in items], [s.id for _, s in items], self.pad_id).to(device)
 
     def pending(self) -> list[int]:
         return self.inner.pending()

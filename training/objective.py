@@ -68,6 +68,11 @@ class Batch:
     aux_hidden: Tensor  # [B, S, K·H] target capture
     last_hidden: Tensor  # [B, S, H] target post-final-norm hidden
 
+    def to(self, device) -> Batch:
+        """The batch on `device` (sample ids stay on the host: they key seeds and ledgers)."""
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.sample_ids,
+                     self.aux_hidden.to(device), self.last_hidden.to(device))
+
 
 @dataclass
 class ObjectiveOutput:
