@@ -24,10 +24,10 @@ from rich.table import Table
 
 from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
 from dspark_sgl.loading import eos_ids, load_pair
-from dspark_sgl.spec.engine import SamplingConfig, SpecEngine, profile_target_sps
-from dspark_sgl.spec.scheduler import schedule
-from dspark_sgl.spec.sps import SpsTable
-from dspark_sgl.spec.sts import apply_sts
+from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine, profile_target_sps
+from dspark_sgl.speculative.scheduler import schedule
+from dspark_sgl.speculative.sps import SpsTable
+from dspark_sgl.speculative.sts import apply_sts
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 

@@ -55,7 +55,7 @@ def main(
     from transformers import AutoTokenizer
 
     if not target:
-        from dspark_sgl.target.smollm2 import smollm2_hf_dir
+        from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
         target = str(smollm2_hf_dir())
     tok = AutoTokenizer.from_pretrained(target)

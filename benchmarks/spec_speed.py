@@ -19,7 +19,7 @@ from rich.table import Table
 
 from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt, eos_ids, load_pair
-from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
+from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 

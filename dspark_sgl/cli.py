@@ -65,12 +65,12 @@ def init_draft(
 
 def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None):
     from dspark_sgl.loading import load_pair
-    from dspark_sgl.spec.engine import SpecEngine
+    from dspark_sgl.speculative.engine import SpecEngine
 
     tgt, model, tok = load_pair(target, None if no_draft else (draft or "random"), dtype)
     planner = None
     if schedule == "confidence" and model is not None:
-        from dspark_sgl.spec.engine import confidence_planner
+        from dspark_sgl.speculative.engine import confidence_planner
 
         planner = confidence_planner(tgt, model, sps)
     elif schedule != "static":
@@ -97,7 +97,7 @@ def generate(
 ) -> None:
     """Generate with the target, speculatively with a DSpark draft unless --no-draft."""
     from dspark_sgl.loading import encode_prompt, eos_ids
-    from dspark_sgl.spec.engine import SamplingConfig
+    from dspark_sgl.speculative.engine import SamplingConfig
 
     if (prompt is None) == (chat is None):
         _fail("give exactly one of --prompt or --chat")
@@ -148,7 +148,7 @@ def eval_cmd(
     """Acceptance (τ, per-position) and speed over benchmark prompt files."""
     from dspark_sgl.evaluate import evaluate_dataset, report_dict
     from dspark_sgl.loading import eos_ids
-    from dspark_sgl.spec.engine import SamplingConfig
+    from dspark_sgl.speculative.engine import SamplingConfig
 
     try:
         engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table)
@@ -187,7 +187,7 @@ def profile_sps_cmd(
 ) -> None:
     """Measure steps/s of the target verify forward for 1..max_tokens batch tokens (monotone-smoothed)."""
     from dspark_sgl.loading import load_pair
-    from dspark_sgl.spec.engine import profile_target_sps
+    from dspark_sgl.speculative.engine import profile_target_sps
 
     try:
         tgt, _, _ = load_pair(target, None, dtype)
@@ -222,8 +222,8 @@ def calibrate(
     """Sequential temperature scaling of the confidence head from real speculative runs (ECE/AUROC/Brier)."""
     from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
     from dspark_sgl.loading import eos_ids, load_pair
-    from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
-    from dspark_sgl.spec.sts import calibration_report, fit_sts, save_sts
+    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
+    from dspark_sgl.speculative.sts import calibration_report, fit_sts, save_sts
 
     try:
         tgt, model, tok = load_pair(target, draft, dtype)

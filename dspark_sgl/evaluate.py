@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dspark_sgl.loading import encode_prompt
-from dspark_sgl.spec.engine import Generation, SamplingConfig, SpecEngine
+from dspark_sgl.speculative.engine import Generation, SamplingConfig, SpecEngine
 
 
 @dataclass

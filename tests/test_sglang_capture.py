@@ -196,7 +196,7 @@ def samples(target_dir) -> list[list[int]]:
 
 
 def assert_matches_hf(target_dir: Path, samples: list[list[int]], got) -> tuple[float, float]:
-    from dspark_sgl.target.hf import HFTarget
+    from dspark_sgl.targets.hf import HFTarget
 
     ref = HFTarget.from_pretrained(target_dir, LAYERS)
     worst_aux = worst_last = 0.0

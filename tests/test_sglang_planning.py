@@ -10,9 +10,9 @@ import torch
 
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.sglang.planning import VerifyPlanner, choose_policy, size_bucket
-from dspark_sgl.spec.scheduler import schedule
-from dspark_sgl.spec.sps import SpsTable
-from dspark_sgl.spec.sts import apply_sts, save_sts
+from dspark_sgl.speculative.scheduler import schedule
+from dspark_sgl.speculative.sps import SpsTable
+from dspark_sgl.speculative.sts import apply_sts, save_sts
 from tests.conftest import tiny_draft_config
 
 

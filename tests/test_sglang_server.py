@@ -193,7 +193,7 @@ def test_target_capture_is_the_training_layer_output_convention(target_dir, prom
     """SGLang's aux capture (the hook our worker's prefill/verify use) == HFTarget's: id i = OUTPUT of layer i."""
     import torch
 
-    from dspark_sgl.target.hf import HFTarget, TargetKV
+    from dspark_sgl.targets.hf import HFTarget, TargetKV
 
     layer_ids = [1, 14, 27]
     capture = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK",

@@ -23,7 +23,7 @@ from torch import nn
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
-from dspark_sgl.spec.markov import rollout
+from dspark_sgl.speculative.markov import rollout
 
 SPECFORGE_VERSION = "0.2.0"
 ATOL = 1e-4

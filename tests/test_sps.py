@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from dspark_sgl.spec.sps import SpsTable, default_token_counts, isotonic_non_increasing, profile_sps
+from dspark_sgl.speculative.sps import SpsTable, default_token_counts, isotonic_non_increasing, profile_sps
 
 
 def _slow_isotonic(values):
@@ -93,7 +93,7 @@ def test_profile_sps_times_the_callable(monkeypatch):
         calls.append(n)
         now[0] += cost[n]
 
-    monkeypatch.setattr("dspark_sgl.spec.sps.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("dspark_sgl.speculative.sps.time.perf_counter", lambda: now[0])
     raw = profile_sps(step, [8, 1, 2, 4], warmup=1, repeats=3, smooth=False)
     assert raw.tokens == [1, 2, 4, 8]
     assert raw.steps_per_s == pytest.approx([1000.0, 500.0, 1000.0, 125.0])

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dspark_sgl.spec.sts import (
+from dspark_sgl.speculative.sts import (
     apply_sts,
     auroc,
     brier,

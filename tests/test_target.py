@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dspark_sgl.target import HFTarget, TargetKV
+from dspark_sgl.targets import HFTarget, TargetKV
 from tests.conftest import tiny_llama
 
 

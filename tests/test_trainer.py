@@ -200,7 +200,7 @@ def test_empty_dataset(tiny, tmp_path):
 
 def test_nan_hidden_states_stop_before_any_update(tiny, tmp_path, monkeypatch):
     """NaN from the engine at step 3: clear error, the step-2 checkpoint stays the latest and loads."""
-    from dspark_sgl.target.hf import HFTarget
+    from dspark_sgl.targets.hf import HFTarget
     from training.trainer import train
 
     calls = {"n": 0}

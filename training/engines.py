@@ -1,7 +1,7 @@
 """Target engines behind one interface, and the feature sources the trainer reads batches from.
 
 An engine turns full tokenized conversations into (aux hidden [T, K·H], post-norm last hidden [T, H]) with one
-prefill-only pass. `hf` is the embedded transformers target (`dspark_sgl.target.hf.HFTarget`); `sglang` is a stock
+prefill-only pass. `hf` is the embedded transformers target (`dspark_sgl.targets.hf.HFTarget`); `sglang` is a stock
 SGLang 0.5.23 engine whose capture comes from this project's SGLang plugin (`dspark_sgl.sglang.capture`): an
 in-process `sglang.Engine` started by the engine process, or a running capture server at `engine.sglang_url`.
 Either way the trainer streams from `python -m training.engines serve` processes. Placement, chosen in the recipe:
@@ -106,7 +106,7 @@ def default_device(spec: str, local_rank: int) -> torch.device:
 
 
 def load_hf_target(recipe: Recipe, layer_ids: list[int], device: torch.device):
-    from dspark_sgl.target.hf import HFTarget
+    from dspark_sgl.targets.hf import HFTarget
 
     return HFTarget.from_pretrained(resolve_target_path(recipe.target.path), layer_ids,
                                     dtype=TORCH_DTYPES[recipe.target.dtype], device=str(device))
@@ -161,7 +161,7 @@ class SGLangCapture:
 
     def __call__(self, ids: torch.Tensor, attn: torch.Tensor):
         from dspark_sgl.sglang.capture import capture
-        from dspark_sgl.target.hf import TargetOutput
+        from dspark_sgl.targets.hf import TargetOutput
 
         lengths = attn.sum(1).tolist()
         got = capture(self.handle, [ids[b, :n].tolist() for b, n in enumerate(lengths)], self.num_aux, self.hidden)

@@ -330,7 +330,7 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
     """`dspark eval` on the held-out prompts with the exported draft (T, dtype from the recipe) + the plain baseline."""
     from dspark_sgl.evaluate import evaluate_dataset, report_dict
     from dspark_sgl.loading import eos_ids, load_pair
-    from dspark_sgl.spec.engine import SamplingConfig, SpecEngine
+    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 
     e = recipe.eval
     if e.threads:

@@ -1,5 +1,5 @@
 """Verify planning for the SGLang worker: which policy, which SPS table, which STS temperatures, and the numbers
-`/server_info` reports. The scheduling rule itself is the shared `dspark_sgl.spec.scheduler.schedule`.
+`/server_info` reports. The scheduling rule itself is the shared `dspark_sgl.speculative.scheduler.schedule`.
 
 Policy. SGLang's own switch `SGLANG_RAGGED_VERIFY_MODE` picks it, so one setting drives the builtin and ours:
 `static` verifies γ+1 tokens per request; `compact` / `cap-accept` run the confidence schedule. Unset, we default to
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dspark_sgl.spec.scheduler import schedule
-from dspark_sgl.spec.sps import SpsTable, isotonic_non_increasing
-from dspark_sgl.spec.sts import apply_sts, load_sts
+from dspark_sgl.speculative.scheduler import schedule
+from dspark_sgl.speculative.sps import SpsTable, isotonic_non_increasing
+from dspark_sgl.speculative.sts import apply_sts, load_sts
 
 logger = logging.getLogger(__name__)
 POLICY_FROM_SGLANG_MODE = {"static": "static", "cap-accept": "confidence", "compact": "confidence"}

@@ -11,7 +11,7 @@ One scheduler step, with SGLang owning every KV slot:
               -> shared acceptance rule -> commit anchor + accepted (target KV and draft context at the same slots)
               -> emit accepted + bonus; the bonus is the next anchor
 
-The DSpark math (draft forward, rollout, acceptance) comes from dspark_sgl.model / dspark_sgl.spec; SGLang
+The DSpark math (draft forward, rollout, acceptance) comes from dspark_sgl.model / dspark_sgl.speculative; SGLang
 supplies the verify window, the verify forward, the target distribution (its own top-k/top-p processing) and the
 per-request bookkeeping (accept lengths, histograms, /server_info).
 """
@@ -41,10 +41,10 @@ from torch import Tensor
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
-from dspark_sgl.spec.accept import Acceptance, block_accept, greedy_accept, rejection_accept
-from dspark_sgl.spec.markov import Proposal, rollout
-from dspark_sgl.spec.sampling import draft_probs
-from dspark_sgl.spec.sps import profile_sps
+from dspark_sgl.speculative.accept import Acceptance, block_accept, greedy_accept, rejection_accept
+from dspark_sgl.speculative.markov import Proposal, rollout
+from dspark_sgl.speculative.sampling import draft_probs
+from dspark_sgl.speculative.sps import profile_sps
 
 logger = logging.getLogger(__name__)
 

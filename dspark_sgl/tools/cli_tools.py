@@ -74,7 +74,7 @@ def drift(
         if target is not None:
             from transformers import AutoTokenizer
 
-            from dspark_sgl.target.hf import HFTarget
+            from dspark_sgl.targets.hf import HFTarget
 
             tgt = HFTarget.from_pretrained(target, ref.config.target_layer_ids)
             ref.config.validate(tgt.hidden_size, tgt.num_layers, tgt.vocab_size)

@@ -7,7 +7,7 @@ Per block (anchor + γ-1 masks over a context of aux hidden states), every varia
   * teacher-forced (the reference's greedy tokens as Markov prev): greedy agreement, 1-TV and KL(ref‖cand) of
     the step distributions at T=1, hidden-state relative error, confidence (σ of the raw head logit): Pearson
     r and the flip rate of the scheduling decision "cumulative survival Π c ≥ threshold";
-  * free-running (each variant its own greedy Markov rollout, `dspark_sgl.spec.markov.rollout`): per-position
+  * free-running (each variant its own greedy Markov rollout, `dspark_sgl.speculative.markov.rollout`): per-position
     agreement with the reference's tokens, and the matching-prefix length, whose mean is the drift-limited
     acceptance ceiling (of γ). The card computes the ceiling as Σ_k Π_{i≤k} p_i from the marginal per-position
     rates; we report that as `ceiling_card` and use the direct mean prefix length (with a CI) as `ceiling`.
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.spec.markov import rollout
+from dspark_sgl.speculative.markov import rollout
 
 REGIMES = ("target", "boot", "heavy", "gauss")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from dspark_sgl.spec.sps import SpsTable
-from dspark_sgl.spec.sts import apply_sts
+from dspark_sgl.speculative.sps import SpsTable
+from dspark_sgl.speculative.sts import apply_sts
 
 if TYPE_CHECKING:
-    from dspark_sgl.spec.markov import Proposal
+    from dspark_sgl.speculative.markov import Proposal
 
 Policy = Literal["static", "confidence"]
 POLICIES: tuple[str, ...] = ("static", "confidence")

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dspark_sgl.kernels.markov_step import markov_step
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.spec.sampling import next_token
+from dspark_sgl.speculative.sampling import next_token
 
 
 @dataclass

@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
-from dspark_sgl.spec.accept import ACCEPT_RULES, Acceptance, greedy_accept
-from dspark_sgl.spec.markov import Proposal, rollout
-from dspark_sgl.spec.sampling import draft_probs, next_token, target_probs
-from dspark_sgl.target.hf import HFTarget, TargetKV
+from dspark_sgl.speculative.accept import ACCEPT_RULES, Acceptance, greedy_accept
+from dspark_sgl.speculative.markov import Proposal, rollout
+from dspark_sgl.speculative.sampling import draft_probs, next_token, target_probs
+from dspark_sgl.targets.hf import HFTarget, TargetKV
 
-# (proposal, limit-free) -> verify lengths [B] in 1..γ+1; see dspark_sgl.spec.scheduler
+# (proposal, limit-free) -> verify lengths [B] in 1..γ+1; see dspark_sgl.speculative.scheduler
 VerifyPlanner = Callable[[Proposal], Tensor]
 
 
@@ -202,7 +202,7 @@ def _sync_time(t: Tensor) -> float:
 
 def profile_target_sps(target: HFTarget, max_tokens: int, context: int = 128, repeats: int = 3):
     """Steps/s of the target verify forward for 1..max_tokens new tokens after `context` cached tokens."""
-    from dspark_sgl.spec.sps import default_token_counts, profile_sps
+    from dspark_sgl.speculative.sps import default_token_counts, profile_sps
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max_tokens), generator=g).to(target.device)
@@ -220,8 +220,8 @@ def profile_target_sps(target: HFTarget, max_tokens: int, context: int = 128, re
 
 def confidence_planner(target: HFTarget, draft: DSparkDraft, sps_path=None, max_batch: int = 8):
     """The `confidence` schedule: SPS table from sps_path (or profiled now), STS temperatures from the draft."""
-    from dspark_sgl.spec.scheduler import ConfidencePlanner
-    from dspark_sgl.spec.sps import SpsTable
+    from dspark_sgl.speculative.scheduler import ConfidencePlanner
+    from dspark_sgl.speculative.sps import SpsTable
 
     if draft.confidence_head is None:
         raise ValueError("--schedule confidence needs a draft with a confidence head")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_sgl.spec.sampling import sample
+from dspark_sgl.speculative.sampling import sample
 
 
 @dataclass
