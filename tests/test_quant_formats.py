@@ -2,7 +2,7 @@
 
 The reference here is deliberately slow and independent: every format's value table is derived from its bit
 fields, and encoding scans that table with exact rational arithmetic (ties to the even code, saturation at the
-maximum), so a shared mistake with dspark_sgl.tools.formats is unlikely.
+maximum), so a shared mistake with dspark_sgl.model.formats is unlikely.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_sgl.tools import formats as F
+from dspark_sgl.model import formats as F
 
 # ---- independent reference: value tables from bit fields
 # ----------------------------------------------------

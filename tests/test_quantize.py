@@ -11,11 +11,10 @@ from safetensors import safe_open
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.checkpoint import read_state_dict
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.tools.formats import get_format
+from dspark_sgl.model.formats import FormatError, dequantize_state_dict, get_format
 from dspark_sgl.tools.quantize import (
     MANIFEST_FILE,
     QuantizeError,
-    dequantize_state_dict,
     parse_mixed,
     plan_quantization,
     quantize_draft,
@@ -127,7 +126,7 @@ def test_dequantize_matches_quantizer_exactly(source, tmp_path):
     raw = load_file(str(tmp_path / "q" / "model.safetensors"))
     state = dequantize_state_dict(raw, qc)
     assert not any(k.endswith(("_scale", "_packed")) for k in state)
-    from dspark_sgl.tools.formats import dequantize_weight, quantize_weight
+    from dspark_sgl.model.formats import dequantize_weight, quantize_weight
 
     src = read_state_dict(source)
     want = dequantize_weight(
@@ -193,5 +192,5 @@ def test_unsupported_foreign_format_is_rejected():
         "format": "pack-quantized",
         "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}},
     }
-    with pytest.raises(QuantizeError, match="'pack-quantized' is not supported"):
+    with pytest.raises(FormatError, match="'pack-quantized' is not supported"):
         dequantize_state_dict(raw, cfg)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.model.formats import dequantize_state_dict
 
 WEIGHTS_FILE = "model.safetensors"
 SKIPPED_PREFIXES = ("lm_head.", "embed_tokens.", "rotary_emb.", "model.embed_tokens.")
@@ -45,8 +46,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raw.update(load_file(str(f)))
     config_json = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
     if "quantization_config" in config_json:
-        from dspark_sgl.tools.quantize import dequantize_state_dict  # lazy: tools -> model, not the reverse at import
-
         raw = dequantize_state_dict(raw, config_json["quantization_config"])
     out = {}
     for name, t in raw.items():

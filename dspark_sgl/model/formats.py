@@ -18,7 +18,9 @@ to bf16; ours dequantize exactly in fp32, which the drift analysis needs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -204,3 +206,65 @@ def weight_snr_db(reference: Tensor, candidate: Tensor) -> float:
     err = (reference.double() - candidate.double()).pow(2).sum()
     sig = reference.double().pow(2).sum()
     return float("inf") if err == 0 else float(10 * torch.log10(sig / err))
+
+
+_LOCAL_SUFFIXES = (
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "input_scale",
+    "input_global_scale",
+    "input_zero_point",
+    "output_scale",
+)
+
+
+# ---- dequantization (the loader's side)
+# -----------------------------------------------------------------------
+def _target_matches(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target in (module, "Linear") or module.endswith("." + target)
+
+
+def _group_format(group: dict, top_format: str | None, module: str) -> WeightFormat:
+    cf = group.get("format") or top_format
+    weights = group.get("weights") or {}
+    fmt = BY_COMPRESSION.get(cf)
+    if cf in ("naive-quantized",) and weights.get("num_bits") == 8 and weights.get("type") == "float":
+        fmt = BY_COMPRESSION["float-quantized"]
+    if fmt is None:
+        raise FormatError(
+            f"{module}: compressed-tensors format {cf!r} is not supported here (supported: {sorted(BY_COMPRESSION)})"
+        )
+    if fmt.group_size is not None and weights.get("group_size") != fmt.group_size:
+        raise FormatError(
+            f"{module}: {cf} needs group_size {fmt.group_size}, config says {weights.get('group_size')}"
+        )
+    if fmt.name == "fp8" and weights.get("strategy") not in ("channel", "tensor"):
+        raise FormatError(f"{module}: FP8 strategy {weights.get('strategy')!r} is not supported (channel, tensor)")
+    return fmt
+
+
+def dequantize_state_dict(raw_state: dict[str, Tensor], quantization_config: dict[str, Any]) -> dict[str, Tensor]:
+    """A compressed-tensors state dict -> plain fp32 `.weight`s of its quantized modules (rest untouched)."""
+    if quantization_config.get("quant_method", "compressed-tensors") != "compressed-tensors":
+        raise FormatError(f"quant_method {quantization_config.get('quant_method')!r} is not compressed-tensors")
+    groups = list((quantization_config.get("config_groups") or {}).values())
+    modules = sorted({k.rsplit(".", 1)[0] for k in raw_state if k.endswith((".weight_packed", ".weight_scale"))})
+    out = dict(raw_state)
+    for module in modules:
+        hits = [g for g in groups if any(_target_matches(t, module) for t in g.get("targets", []))]
+        if not hits and len(groups) == 1:
+            hits = groups
+        if not hits:
+            raise FormatError(f"{module} has quantized tensors but no config group targets it")
+        fmt = _group_format(hits[0], quantization_config.get("format"), module)
+        local = {s: out.pop(f"{module}.{s}") for s in (*_LOCAL_SUFFIXES, "weight") if f"{module}.{s}" in out}
+        try:
+            out[f"{module}.weight"] = dequantize_weight(local, fmt, module)
+        except FormatError as e:
+            raise FormatError(str(e)) from None
+    return out
