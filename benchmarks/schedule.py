@@ -60,7 +60,7 @@ def main(
 ) -> None:
     if threads:
         torch.set_num_threads(threads)
-    tgt, model, tok = load_pair(target, draft)
+    tgt, model, tok = load_pair(target, draft, "float32")
     gamma = model.config.block_size
     table = SpsTable.load(sps) if sps else profile_target_sps(tgt, max_requests * (gamma + 1), repeats=2)
     engine = SpecEngine(tgt, model)

@@ -209,3 +209,66 @@ def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[i
     start, end = (1, n - 3) if n >= 6 else (0, n - 1)
     k = max(1, min(num_aux, end - start + 1))
     return sorted({start + round(i * (end - start) / max(k - 1, 1)) for i in range(k)})
+
+
+# ---- the target side: the one reader of a target's config.json, and the one draft-from-target builder ----------
+def read_target_config(path: str | Path) -> dict[str, Any]:
+    """A target folder's config.json, `text_config` (multimodal wrappers) lifted to the top level."""
+    file = Path(path) / "config.json"
+    if not file.exists():
+        raise ConfigError(f"target model folder {path} has no config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"target {file} is not valid JSON: {e}") from None
+    return (raw.get("text_config") or raw) | {k: v for k, v in raw.items() if k != "text_config"}
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What a draft must agree with: the target's hidden size, vocabulary and depth."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def from_config_dict(cls, raw: dict) -> TargetFacts:
+        text = raw.get("text_config") or raw
+        try:
+            return cls(int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]))
+        except KeyError as e:
+            raise ConfigError(f"target config.json has no {e.args[0]!r}") from e
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> TargetFacts:
+        return cls.from_config_dict(read_target_config(path))
+
+
+def draft_config_for_target(target: dict[str, Any], num_aux: int = 5, **given: Any) -> DSparkConfig:
+    """A draft config sized for a target config dict: every key not `given` comes from the target (same hidden
+    size, heads and RoPE), target layer ids spread over its depth; validated against the target."""
+    facts = TargetFacts.from_config_dict(target)
+    unknown = sorted(set(given) - {f.name for f in fields(DSparkConfig)})
+    if unknown:
+        raise ConfigError(f"unknown draft key(s) {unknown}")
+    rope = target.get("rope_parameters") or {}
+    inherited = dict(
+        hidden_size=facts.hidden_size, vocab_size=facts.vocab_size, num_target_layers=facts.num_layers,
+        num_attention_heads=target.get("num_attention_heads"), num_key_value_heads=target.get("num_key_value_heads"),
+        intermediate_size=target.get("intermediate_size"), rms_norm_eps=target.get("rms_norm_eps"),
+        rope_theta=rope.get("rope_theta", target.get("rope_theta")),
+        max_position_embeddings=target.get("max_position_embeddings"),
+        target_layer_ids=default_target_layer_ids(facts.num_layers, num_aux),
+    )
+    kw = {k: v for k, v in inherited.items() if v is not None} | given
+    kw.setdefault("num_key_value_heads", kw.get("num_attention_heads"))
+    if "num_attention_heads" not in kw or "intermediate_size" not in kw:
+        missing = [k for k in ("num_attention_heads", "intermediate_size") if k not in kw]
+        raise ConfigError(f"the draft config needs {missing}: neither given nor in the target config")
+    kw.setdefault("head_dim", target.get("head_dim") if "num_attention_heads" not in given else None)
+    if kw["head_dim"] is None:
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    cfg = DSparkConfig(**kw)
+    return cfg.validate(target_hidden_size=facts.hidden_size, target_num_layers=facts.num_layers,
+                        target_vocab_size=facts.vocab_size)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dspark_sgl.config import DSparkConfig, default_target_layer_ids
+from dspark_sgl.config import DSparkConfig, draft_config_for_target, read_target_config
+from dspark_sgl.dtypes import resolve_dtype
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.targets.hf import HFTarget
 
 EMBEDDED_TARGETS = ("smollm2",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_target_dir(target: str) -> Path:
@@ -31,11 +30,6 @@ def load_tokenizer(target_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(target_dir))
-
-
-def target_shape(target_dir: Path) -> dict:
-    raw = json.loads((target_dir / "config.json").read_text())
-    return raw.get("text_config", raw) | {k: v for k, v in raw.items() if k != "text_config"}
 
 
 def pick_mask_token_id(tokenizer) -> int:
@@ -62,36 +56,21 @@ def init_draft_config(
     intermediate_size: int | None = None,
 ) -> DSparkConfig:
     """A draft sized for the target: same hidden size/heads/rope, the given depth, layer ids spread over it."""
-    t = target_shape(target_dir)
-    n_target = t["num_hidden_layers"]
-    heads = t["num_attention_heads"]
-    rope = t.get("rope_parameters") or {}
-    return DSparkConfig(
-        hidden_size=t["hidden_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=t.get("num_key_value_heads") or heads,
-        head_dim=t.get("head_dim") or t["hidden_size"] // heads,
-        intermediate_size=intermediate_size or t["intermediate_size"],
-        vocab_size=t["vocab_size"],
-        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", t.get("rope_theta", 10000.0)),
-        max_position_embeddings=t.get("max_position_embeddings", 32768),
-        block_size=block_size,
-        target_layer_ids=layer_ids or default_target_layer_ids(n_target, num_aux),
-        num_target_layers=n_target,
-        mask_token_id=pick_mask_token_id(tokenizer) if mask_token_id is None else mask_token_id,
-        markov_rank=markov_rank,
-        markov_head_type=markov_head_type,
-    )
+    given = dict(num_hidden_layers=num_layers, markov_rank=markov_rank, markov_head_type=markov_head_type,
+                 block_size=block_size,
+                 mask_token_id=pick_mask_token_id(tokenizer) if mask_token_id is None else mask_token_id)
+    if layer_ids:
+        given["target_layer_ids"] = layer_ids
+    if intermediate_size:
+        given["intermediate_size"] = intermediate_size
+    return draft_config_for_target(read_target_config(target_dir), num_aux=num_aux, **given)
 
 
 def load_pair(
-    target: str, draft: str | None, dtype: str = "float32", device: str = "cpu", seed: int = 0
+    target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", seed: int = 0
 ) -> tuple[HFTarget, DSparkDraft | None, object]:
     """(target, draft or None, tokenizer). draft = "random" builds a random-init draft sized for the target."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    torch_dtype = resolve_dtype(dtype, device)  # `auto`: bf16 only where this device multiplies it natively
     target_dir = resolve_target_dir(target)
     tok = load_tokenizer(target_dir)
     model = None
@@ -101,9 +80,9 @@ def load_pair(
     elif draft is not None:
         model = DSparkDraft.from_pretrained(draft)
     layer_ids = model.config.target_layer_ids if model is not None else [0]
-    tgt = HFTarget.from_pretrained(target_dir, layer_ids, dtype=DTYPES[dtype], device=device)
+    tgt = HFTarget.from_pretrained(target_dir, layer_ids, dtype=torch_dtype, device=device)
     if model is not None:
-        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        model = model.to(device=device, dtype=torch_dtype).eval()
     return tgt, model, tok
 
 

@@ -6,4 +6,4 @@
 set -euo pipefail
 CONFIG=${CONFIG:?recipe yaml}
 PORT=${PORT:-5555}
-exec python -m training.engines serve --config "$CONFIG" --bind "tcp://*:$PORT" "$@"
+exec python -m training.engine_server --config "$CONFIG" --bind "tcp://*:$PORT" "$@"

@@ -139,15 +139,10 @@ def fake_http_server():
 
 
 def test_trainer_adapter_pads_http_captures_back_to_the_batch(fake_http_server):
-    from types import SimpleNamespace
 
-    from training.engines import SGLangCapture
-    from training.recipe import Recipe
+    from dspark_sgl.sglang.engine import SGLangCapture
 
-    recipe = Recipe()
-    recipe.engine.sglang_url = fake_http_server
-    dcfg = SimpleNamespace(num_aux=K, hidden_size=H, target_layer_ids=[0, 1])
-    cap = SGLangCapture(recipe, dcfg, torch.device("cpu"))
+    cap = SGLangCapture(K, H, url=fake_http_server)
     ids = torch.tensor([[7, 8, 9], [4, 5, 0]])
     out = cap(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert out.aux.shape == (2, 3, K * H) and out.last_hidden.shape == (2, 3, H)
@@ -236,7 +231,7 @@ def test_http_capture_equals_hf_target_with_shared_prefixes(target_dir, samples)
 ENGINE_SCRIPT = """
 import sys, torch, sglang
 from dspark_sgl.sglang.capture import capture, engine_kwargs
-from training.engines import SGLANG_CPU_ARGS
+from dspark_sgl.sglang.engine import SGLANG_CPU_ARGS
 target, out, layers, samples = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
 engine = sglang.Engine(model_path=target, dtype="float32", **SGLANG_CPU_ARGS, **engine_kwargs(layers))
 try:
@@ -331,9 +326,9 @@ def test_trainer_sglang_engine_trains_like_the_hf_engine(sgl_python, target_dir,
 def test_sglang_engine_without_sglang_is_one_clear_error(monkeypatch):
     import importlib.util
 
-    from training.engines import EngineError, check_sglang_plugin
+    from dspark_sgl.sglang.engine import EngineError, check_sglang_importable
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(EngineError, match="engine.kind=sglang needs SGLang 0.5.23 importable by"):
-        check_sglang_plugin()
+        check_sglang_importable()

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from dspark_sgl.config import ConfigError
 from training.checkpoint import latest_checkpoint
 from training.data import DataError
-from training.engines import EngineError, draft_config, target_facts
 from training.recipe import RecipeError, load_recipe
+from training.target import EngineError, draft_config, target_config
 from training.tiny import build_tiny_target, mask_token_id, tiny_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,13 +179,13 @@ def test_override_types_are_checked(tiny, tmp_path):
 def test_layer_ids_beyond_target(tiny, tmp_path):
     recipe = load_recipe(write_recipe(tiny, tmp_path), ["draft.target_layer_ids=[0,9]"])
     with pytest.raises(ConfigError, match="has only 4 layers"):
-        draft_config(recipe, target_facts(recipe))
+        draft_config(recipe, target_config(recipe))
 
 
 def test_hidden_size_mismatch(tiny, tmp_path):
     recipe = load_recipe(write_recipe(tiny, tmp_path), ["draft.hidden_size=48"])
     with pytest.raises(ConfigError, match="hidden_size=48 != target hidden size 32"):
-        draft_config(recipe, target_facts(recipe))
+        draft_config(recipe, target_config(recipe))
 
 
 def test_empty_dataset(tiny, tmp_path):

@@ -60,7 +60,7 @@ def _engine_pids(marker: str) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "training.engines" in cmd and marker in cmd:
+        if "training.engine_server" in cmd and marker in cmd:
             pids.append(int(proc.name))
     return pids
 

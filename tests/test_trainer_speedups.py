@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
 from training.data import Sample
-from training.engines import MemoryCachedSource
 from training.objective import Batch, ObjectiveConfig
+from training.sources import MemoryCachedSource
 from training.tiny import build_tiny_target, mask_token_id
 from training.trainer import ObjectiveModule, fold_aux_scale
 from training.warmstart import InitConfig, WarmStartError, init_from_draft, init_from_target, warm_start

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_sgl.model.draft import DSparkDraft
-from training.engines import TORCH_DTYPES, draft_config, target_facts
 from training.recipe import Recipe, RecipeError
+from training.target import compute_dtype, default_device, draft_config, target_config, target_dtype
 
 GiB = 2**30
 
@@ -33,7 +33,7 @@ def dry_run(recipe: Recipe, world_size: int | None = None, console: Console | No
     console = console or Console()
     t, o = recipe.train, recipe.objective
     W = world_size or t.world_size or 1
-    facts = target_facts(recipe)
+    facts = target_config(recipe)
     cfg = draft_config(recipe, facts)
     Plan([], t.seed, t.global_batch, t.micro_batch, W)  # divisibility check
     if dist.is_initialized():
@@ -46,7 +46,7 @@ def dry_run(recipe: Recipe, world_size: int | None = None, console: Console | No
                  "markov head": _count(draft.markov_head), "norm": _count(draft.norm),
                  "confidence head": _count(draft.confidence_head) if draft.confidence_head else 0}
         total = _count(draft)
-        compute = TORCH_DTYPES[t.compute_dtype]
+        compute = compute_dtype(recipe, default_device(recipe.engine.device, 0))
         module = shard(ObjectiveModule(draft, ObjectiveConfig(**vars(o))), compute, t.reshard_after_forward)
         local = sum(p.to_local().numel() for p in module.parameters())
     finally:
@@ -77,8 +77,9 @@ def dry_run(recipe: Recipe, world_size: int | None = None, console: Console | No
 def memory_plan(recipe: Recipe, cfg, facts: dict, total: int, local: int, W: int) -> dict[str, float]:
     """Bytes per rank. Assumes a fused (flash / memory-efficient) attention kernel: no [heads, Q, K] score matrix."""
     t, o = recipe.train, recipe.objective
-    cb = torch.tensor([], dtype=TORCH_DTYPES[t.compute_dtype]).element_size()
-    tb = torch.tensor([], dtype=TORCH_DTYPES[recipe.target.dtype]).element_size()
+    device = default_device(recipe.engine.device, 0)
+    cb = torch.tensor([], dtype=compute_dtype(recipe, device)).element_size()
+    tb = torch.tensor([], dtype=target_dtype(recipe, device)).element_size()
     H, V, L, S = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, recipe.data.max_length
     B, R = t.micro_batch, o.num_anchors * cfg.block_size
     layer_params = (total - V * cfg.markov_rank * 2 - cfg.num_aux * H * H) / max(L, 1)

@@ -114,6 +114,9 @@ class Recipe:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def draft_dict(self) -> dict[str, Any]:
+        return dict(self.draft)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from dspark_sgl.dtypes import DTYPES
 
 
 class StreamError(RuntimeError):

@@ -31,14 +31,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from dspark_sgl.model.draft import DSparkDraft
 from training import checkpoint as ckpt
 from training.data import Sample, epoch_order, prepare_samples
-from training.engines import (
-    TORCH_DTYPES,
-    draft_config,
-    load_target_heads,
-    make_source,
-    resolve_target_path,
-    target_facts,
-)
 from training.objective import (
     STAT_NAMES,
     ObjectiveConfig,
@@ -49,6 +41,15 @@ from training.objective import (
     summarise,
 )
 from training.recipe import Recipe, RecipeError
+from training.sources import make_source
+from training.target import (
+    compute_dtype,
+    draft_config,
+    load_target_heads,
+    resolve_target_path,
+    target_config,
+    target_dtype,
+)
 from training.warmstart import warm_start
 
 
@@ -182,8 +183,7 @@ class Trainer:
                               f"{self.d.world}; launch that many or override train.world_size")
         if recipe.train.threads:
             torch.set_num_threads(recipe.train.threads)
-        facts = target_facts(recipe)
-        self.dcfg = draft_config(recipe, facts)
+        self.dcfg = draft_config(recipe, target_config(recipe))
         self.target_dir = resolve_target_path(recipe.target.path)
         self.main = self.d.rank == 0
 
@@ -206,10 +206,10 @@ class Trainer:
         if target is not None:
             embed, head = target.embed_tokens, target.lm_head
         else:
-            embed, head = load_target_heads(self.target_dir, TORCH_DTYPES[self.recipe.target.dtype], self.d.device)
+            embed, head = load_target_heads(self.target_dir, target_dtype(self.recipe, self.d.device), self.d.device)
         draft = draft.to(self.d.device).bind_target(embed, head)
         module = ObjectiveModule(draft, self.recipe.objective, scale_aux=self.recipe.optim.scale_aux)
-        return shard(module, TORCH_DTYPES[self.recipe.train.compute_dtype], self.recipe.train.reshard_after_forward)
+        return shard(module, compute_dtype(self.recipe, self.d.device), self.recipe.train.reshard_after_forward)
 
     def run(self, resume: bool = False) -> Path:
         r = self.recipe

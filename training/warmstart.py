@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from dspark_sgl.model.checkpoint import find_tensors
 from dspark_sgl.model.draft import DSparkDraft
 
 # Draft parameter suffix (inside `layers.i.`) -> target parameter suffix (inside `layers.t.`).
@@ -43,18 +43,6 @@ class InitConfig:
             raise WarmStartError("init.target_layers and init.draft are exclusive: pick one starting point")
 
 
-def target_tensors(target_dir: Path, wanted: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Tensors of the target's safetensors whose name ends with `.{suffix}` (or is the suffix), keyed as `wanted`."""
-    found: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                for key, suffix in wanted.items():
-                    if key not in found and (name == suffix or name.endswith("." + suffix)):
-                        found[key] = st.get_tensor(name)
-    return found
-
-
 @torch.no_grad()
 def init_from_target(draft: DSparkDraft, target_dir: Path, target_layers: list[int]) -> list[str]:
     """Copy target layers into the draft (see the module docstring). Returns the draft parameter names set."""
@@ -68,7 +56,7 @@ def init_from_target(draft: DSparkDraft, target_dir: Path, target_layers: list[i
     wanted = {f"layers.{i}.{p}": f"layers.{t}.{p}" for i, t in enumerate(target_layers) for p in LAYER_PARAMS}
     wanted["norm.weight"] = "norm.weight"
     wanted["hidden_norm.weight"] = f"layers.{target_layers[0]}.input_layernorm.weight"
-    found = target_tensors(target_dir, wanted)
+    found = find_tensors(target_dir, wanted)
     missing = sorted(k for k in wanted if k not in found and k.split(".", 2)[-1] not in OPTIONAL)
     if missing:
         raise WarmStartError(f"target {target_dir} lacks the weights for {missing[:4]}"

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
@@ -35,15 +36,56 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+def safetensors_index(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (shard file, shape) of every tensor in a folder's *.safetensors, from the headers alone.
+
+    The one scanner of weight folders (drafts and targets): a truncated or corrupt shard is a CheckpointError
+    naming the file, not a library traceback."""
+    index: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                for name in st.keys():
+                    index.setdefault(name, (f, tuple(st.get_slice(name).get_shape())))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read weights file {f}: {e}") from None
+    return index
+
+
+def read_tensors(index: dict[str, tuple[Path, tuple[int, ...]]], names) -> dict[str, torch.Tensor]:
+    """The named tensors of a `safetensors_index`, each shard opened once."""
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(index[n][0], []).append(n)
+    out = {}
+    for f, ns in by_file.items():
+        try:
+            with safe_open(str(f), "pt") as st:
+                out.update({n: st.get_tensor(n) for n in ns})
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read weights file {f}: {e}") from None
+    return out
+
+
+def find_tensors(folder: str | Path, wanted: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Tensors whose name is `suffix` or ends with `.suffix`, keyed as `wanted` (key -> suffix); first match wins."""
+    index = safetensors_index(folder)
+    picked = {}
+    for key, suffix in wanted.items():
+        hit = next((n for n in index if n == suffix or n.endswith("." + suffix)), None)
+        if hit is not None:
+            picked[key] = hit
+    got = read_tensors(index, picked.values())
+    return {key: got[name] for key, name in picked.items()}
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a draft folder (every *.safetensors shard), names canonicalised, quantized ones dequantized."""
     folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    index = safetensors_index(folder)
+    if not index:
         raise CheckpointError(f"no *.safetensors weights in {folder}")
-    raw: dict[str, torch.Tensor] = {}
-    for f in files:
-        raw.update(load_file(str(f)))
+    raw = read_tensors(index, index)
     config_json = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
     if "quantization_config" in config_json:
         raw = dequantize_state_dict(raw, config_json["quantization_config"])

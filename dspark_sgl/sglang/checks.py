@@ -6,52 +6,24 @@ instead of surfacing as a shape error deep in a kernel of the scheduler process.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from dspark_sgl.config import ConfigError, DSparkConfig
-from dspark_sgl.model.checkpoint import canonical_name
+from dspark_sgl.config import ConfigError, DSparkConfig, TargetFacts  # noqa: F401 (TargetFacts: re-exported)
+from dspark_sgl.model.checkpoint import CheckpointError, canonical_name, safetensors_index
 from dspark_sgl.model.draft import DSparkDraft
-
-
-@dataclass(frozen=True)
-class TargetFacts:
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-
-    @classmethod
-    def from_config_dict(cls, raw: dict) -> TargetFacts:
-        text = raw.get("text_config") or raw
-        try:
-            return cls(int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]))
-        except KeyError as e:
-            raise ConfigError(f"target config.json has no {e.args[0]!r}") from e
-
-    @classmethod
-    def from_path(cls, path: str | Path) -> TargetFacts:
-        file = Path(path) / "config.json"
-        if not file.exists():
-            raise ConfigError(f"target model folder {path} has no config.json")
-        return cls.from_config_dict(json.loads(file.read_text()))
 
 
 def check_weights(path: str | Path, config: DSparkConfig) -> None:
     """Every tensor the draft needs is present with its shape (read from safetensors headers only)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+    try:
+        index = safetensors_index(path)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if not index:
         raise ConfigError(f"draft folder {path} has no *.safetensors weights")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                canon = canonical_name(name)
-                if canon is not None:
-                    shapes[canon] = tuple(st.get_slice(name).get_shape())
+    shapes = {canonical_name(n): shape for n, (_, shape) in index.items() if canonical_name(n) is not None}
     with torch.device("meta"):
         expected = {k: tuple(t.shape) for k, t in DSparkDraft(config).state_dict().items()}
     missing = sorted(set(expected) - set(shapes))

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from dspark_sgl.config import DSparkConfig
-from dspark_sgl.model.checkpoint import SKIPPED_PREFIXES, check_state_dict, read_state_dict
+from dspark_sgl.model.checkpoint import SKIPPED_PREFIXES, check_state_dict, read_state_dict, safetensors_index
 
 ARCHES = ("dflash", "dspark")
 GLOBAL_NAMES = {
@@ -88,11 +87,7 @@ def gguf_name(name: str) -> str:
 
 
 def _stripped(folder: Path) -> list[str]:
-    names = []
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            names += [k for k in st.keys() if k.startswith(SKIPPED_PREFIXES)]
-    return sorted(names)
+    return sorted(n for n in safetensors_index(folder) if n.startswith(SKIPPED_PREFIXES))
 
 
 def _array(t: Tensor) -> tuple[np.ndarray, object]:

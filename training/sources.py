@@ -1,0 +1,178 @@
+"""Feature sources: where the trainer's batches of (ids, loss mask, aux hidden, last hidden) come from.
+
+Placement, chosen in the recipe:
+
+  inprocess      the rank calls HFTarget directly (no copy, no serialisation; the CPU default)
+  colocated      each rank starts its own engine process on its device and streams from it (ipc://)
+  disaggregated  engines run elsewhere (`python -m training.engine_server`), every rank streams from all of them
+
+Every source returns the same `objective.Batch`, checked finite before the trainer touches it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark_sgl.config import DSparkConfig
+from dspark_sgl.dtypes import DTYPES
+from dspark_sgl.sglang.engine import EngineError, check_sglang_importable
+from training.data import Sample, collate
+from training.engine_server import EngineSupervisor
+from training.objective import Batch
+from training.recipe import Recipe
+from training.stream import Request, StreamClient
+from training.target import default_device, load_hf_target
+
+
+def check_finite(aux: torch.Tensor, last: torch.Tensor, keys) -> None:
+    if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+        raise EngineError(f"the target engine returned non-finite hidden states for samples {list(keys)}; "
+                          "nothing was trained on them and no checkpoint was written")
+
+
+class InProcessSource:
+    """The rank's own HFTarget: capture on demand, no serialisation."""
+
+    def __init__(self, target, pad_id: int):
+        self.target, self.pad_id = target, pad_id
+
+    def submit(self, items: list[tuple[int, Sample]]) -> None:
+        pass
+
+    def batch(self, items: list[tuple[int, Sample]], device) -> Batch:
+        ids, mask, lengths, sids = collate([s for _, s in items], self.pad_id)
+        attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+        out = self.target.capture(ids.to(self.target.device), attn.to(self.target.device))
+        check_finite(out.aux, out.last_hidden, sids.tolist())
+        return Batch(ids, mask, lengths, sids, out.aux, out.last_hidden).to(device)
+
+    def pending(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class StreamSource:
+    """Features from engine processes over the stream (colocated or disaggregated)."""
+
+    def __init__(self, client: StreamClient, pad_id: int, dtype: torch.dtype):
+        self.client, self.pad_id, self.dtype = client, pad_id, dtype
+
+    def submit(self, items: list[tuple[int, Sample]]) -> None:
+        self.client.submit([Request(k, s.input_ids) for k, s in items])
+
+    def batch(self, items: list[tuple[int, Sample]], device) -> Batch:
+        ids, mask, lengths, sids = collate([s for _, s in items], self.pad_id)
+        self.submit(items)
+        feats = [self.client.get(k) for k, _ in items]
+        S = ids.shape[1]
+        aux = torch.zeros(len(items), S, feats[0].aux.shape[-1], dtype=self.dtype)
+        last = torch.zeros(len(items), S, feats[0].last.shape[-1], dtype=self.dtype)
+        for b, f in enumerate(feats):
+            if f.aux.shape[0] != int(lengths[b]):
+                raise EngineError(f"engine returned {f.aux.shape[0]} rows for a {int(lengths[b])}-token sample")
+            aux[b, : f.aux.shape[0]], last[b, : f.last.shape[0]] = f.aux, f.last
+        check_finite(aux, last, sids.tolist())
+        return Batch(ids, mask, lengths, sids, aux, last).to(device)
+
+    def pending(self) -> list[int]:
+        return self.client.pending_ids()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class MemoryCachedSource:
+    """A source whose captures are kept in RAM, up to a byte budget, for the epochs that follow.
+
+    The target is frozen, so a sample's features never change: a small run that revisits its samples for several
+    epochs (the CPU recipe) need not pay the target prefill again. Nothing touches the disk; samples beyond the budget
+    are simply captured again. Off by default: a re-captured sample may differ in the last bit from its cached copy
+    (other batch padding), and exact-resume runs want every capture taken the same way.
+    """
+
+    def __init__(self, inner, budget_bytes: int):
+        self.inner, self.budget, self.used = inner, budget_bytes, 0
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def pad_id(self) -> int:
+        return self.inner.pad_id
+
+    @pad_id.setter
+    def pad_id(self, value: int) -> None:
+        self.inner.pad_id = value
+
+    def submit(self, items: list[tuple[int, Sample]]) -> None:
+        self.inner.submit([it for it in items if it[1].id not in self.cache])
+
+    def batch(self, items: list[tuple[int, Sample]], device) -> Batch:
+        missing = [it for it in items if it[1].id not in self.cache]
+        rows = {}
+        if missing:
+            fresh = self.inner.batch(missing, "cpu")
+            for b, (_, s) in enumerate(missing):
+                n = int(fresh.lengths[b])
+                rows[s.id] = (fresh.input_ids[b, :n], fresh.loss_mask[b, :n], fresh.aux_hidden[b, :n].clone(),
+                              fresh.last_hidden[b, :n].clone())
+                size = sum(t.numel() * t.element_size() for t in rows[s.id])
+                if self.used + size <= self.budget:
+                    self.cache[s.id], self.used = rows[s.id], self.used + size
+        rows.update({s.id: self.cache[s.id] for _, s in items if s.id not in rows})
+        return stack_rows([rows[s.id] for _, s in items], [s.id for _, s in items], self.pad_id).to(device)
+
+    def pending(self) -> list[int]:
+        return self.inner.pending()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def stack_rows(rows, sample_ids: list[int], pad_id: int) -> Batch:
+    """Right-padded Batch from per-sample (ids, mask, aux, last) rows."""
+    S = max(r[0].shape[0] for r in rows)
+    B = len(rows)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    aux = torch.zeros(B, S, rows[0][2].shape[-1], dtype=rows[0][2].dtype)
+    last = torch.zeros(B, S, rows[0][3].shape[-1], dtype=rows[0][3].dtype)
+    for b, (i, m, a, h) in enumerate(rows):
+        n = i.shape[0]
+        ids[b, :n], mask[b, :n], aux[b, :n], last[b, :n] = i, m, a, h
+    lengths = torch.tensor([r[0].shape[0] for r in rows])
+    return Batch(ids, mask, lengths, torch.tensor(sample_ids), aux, last)
+
+
+def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, world: int, pad_id: int,
+                recipe_path: str | None, overrides: list[str], out_dir: Path):
+    """(source, engine processes this rank owns, target or None)."""
+    e = recipe.engine
+    if e.kind == "sglang" and e.placement == "colocated" and not e.sglang_url:
+        check_sglang_importable()  # a colocated engine starts sglang.Engine in this Python; remote ones have theirs
+    device = default_device(e.device, local_rank)
+    if e.placement == "inprocess":
+        if e.kind != "hf":
+            raise EngineError("engine.placement=inprocess is only possible with engine.kind=hf")
+        target = load_hf_target(recipe, dcfg.target_layer_ids, device)
+        return cached(recipe, InProcessSource(target, pad_id)), [], target
+    procs = []
+    if e.placement == "colocated":
+        bind = f"ipc://{out_dir.resolve()}/engine-{rank}.sock"
+        procs.append(EngineSupervisor(recipe_path, overrides, bind, out_dir / "logs" / f"engine-{rank}.log"))
+        endpoints = [bind]
+    else:
+        endpoints = e.endpoints
+    dtype = DTYPES[recipe.stream.wire_dtype]
+    per_token = (dcfg.num_aux + 1) * dcfg.hidden_size * torch.tensor([], dtype=dtype).element_size()
+    client = StreamClient(endpoints, per_token, credits=recipe.stream.credits,
+                          byte_budget=int(recipe.stream.byte_budget_mb * 2**20), timeout_s=recipe.stream.timeout_s,
+                          on_silence=procs[0].revive if procs else None)
+    return cached(recipe, StreamSource(client, pad_id, dtype)), procs, None
+
+
+def cached(recipe: Recipe, source):
+    mb = recipe.stream.memory_cache_mb
+    return MemoryCachedSource(source, int(mb * 2**20)) if mb > 0 else source
