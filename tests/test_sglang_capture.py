@@ -157,7 +157,7 @@ def test_recipe_rejects_sglang_in_process_and_a_non_http_url():
         load_recipe(None, ["engine.kind=sglang"])
     with pytest.raises(RecipeError, match="engine.sglang_url must be http"):
         load_recipe(None, ["engine.kind=sglang", "engine.placement=colocated", "engine.sglang_url=tcp://x:1"])
-    with pytest.raises(RecipeError, match="sglang_args must be a mapping"):
+    with pytest.raises(RecipeError, match="engine.sglang_args: Input should be a valid dictionary"):
         load_recipe(None, ["engine.kind=sglang", "engine.placement=colocated", "engine.sglang_args=[1]"])
 
 

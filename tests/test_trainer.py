@@ -43,7 +43,7 @@ def tiny(tmp_path_factory) -> dict:
 
 def write_recipe(tiny: dict, folder: Path, **sections) -> Path:
     recipe = {
-        "target": {"path": tiny["target"]},
+        "target": {"path": tiny["target"], "dtype": "float32"},
         "draft": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
                   "block_size": 4, "mask_token_id": tiny["mask"], "markov_rank": 8, "target_layer_ids": [0, 2]},
         "data": {"train": tiny["data"], "max_length": 48},

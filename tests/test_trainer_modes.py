@@ -42,7 +42,7 @@ def test_kimi_recipe_rejects_a_wrong_world_size():
 
 
 def test_dspark_train_command_parses_overrides(tmp_path):
-    from training.cli_train import register
+    from training.cli import register
 
     app = typer.Typer()
     register(app)

@@ -1,55 +1,70 @@
 """The recipe: one typed config object per training run, read from YAML with `key=value` overrides.
 
-Every section is a dataclass, so an unknown or misspelt key is an error naming the key and the keys that exist, not a
-silently ignored setting. Draft fields the target fixes (hidden size, vocabulary, number of target layers) are filled
-from the target at build time and checked against it when given.
+Every section is a pydantic model (or a dataclass the core defines, validated by pydantic the same way), so an
+unknown or misspelt key, or a value of the wrong type, is one error naming the key, not a silently ignored setting.
+`draft` takes exactly DSparkConfig's fields, every one optional: those the target fixes (hidden size, vocabulary,
+number of target layers) are filled from the target at build time and checked against it when given.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from dspark_sgl.config import DSparkConfig
+from dspark_sgl.dtypes import DTYPE_NAMES
 from training.data import DataConfig
 from training.objective import ObjectiveConfig
 from training.warmstart import InitConfig
+
+DtypeName = Literal[DTYPE_NAMES]  # "auto" = bf16 only where the device multiplies it natively (dspark_sgl.dtypes)
 
 
 class RecipeError(ValueError):
     """A recipe that cannot describe a run."""
 
 
-@dataclass
-class TargetConfig:
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _draft_section() -> type[BaseModel]:
+    """DSparkConfig's own fields, each optional: the one definition of a draft, typed, without a copy."""
+    hints = typing.get_type_hints(DSparkConfig)
+    fields = {f.name: (hints[f.name] | None, None) for f in dataclasses.fields(DSparkConfig)}
+    return create_model("DraftSection", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+DraftSection = _draft_section()
+
+
+class TargetConfig(Section):
     path: str = "smollm2"  # an HF folder, or "smollm2" for the packaged SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: DtypeName = "auto"
     # Fixed by the target; used only by dry-runs that build everything on the meta device (no weights read).
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
     vocab_size: int | None = None
 
 
-@dataclass
-class EngineConfig:
+class EngineConfig(Section):
     kind: str = "hf"  # hf | sglang
     placement: str = "inprocess"  # inprocess | colocated (one engine process per rank) | disaggregated
-    endpoints: list[str] = field(default_factory=list)  # disaggregated: tcp://host:port of running engines
+    endpoints: list[str] = Field(default_factory=list)  # disaggregated: tcp://host:port of running engines
     device: str = "auto"  # auto = the rank's accelerator, else cpu
     max_batch: int = 8  # samples per prefill call
     tp_size: int = 1  # sglang: tensor parallel size per replica
     replicas: int = 1  # sglang: target replicas serving the trainer ranks
     sglang_url: str | None = None  # sglang: a running capture server (http://host:port) instead of an in-process one
-    sglang_args: dict[str, Any] = field(default_factory=dict)  # sglang: extra sglang.Engine keyword arguments
+    sglang_args: dict[str, Any] = Field(default_factory=dict)  # sglang: extra sglang.Engine keyword arguments
 
 
-@dataclass
-class StreamConfig:
+class StreamConfig(Section):
     credits: int = 8  # requests in flight per rank
     byte_budget_mb: float = 1024.0  # in-flight + buffered hidden-state bytes per rank
     timeout_s: float = 120.0  # no reply from an engine for this long: its requests are re-sent elsewhere
@@ -57,8 +72,7 @@ class StreamConfig:
     memory_cache_mb: float = 0.0  # keep captures in RAM for later epochs (small multi-epoch runs); 0 = off
 
 
-@dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = 6e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -69,15 +83,14 @@ class OptimConfig:
     scale_aux: bool = False  # train fc on per-channel RMS-normalised target states (folded into fc at export)
 
 
-@dataclass
-class TrainLoopConfig:
+class TrainLoopConfig(Section):
     out_dir: str = "runs/dspark"
     seed: int = 42
     epochs: float = 1.0
     max_steps: int | None = None
     global_batch: int = 8  # samples per optimizer step over all ranks
     micro_batch: int = 1  # samples per forward on one rank
-    compute_dtype: str = "bfloat16"  # FSDP param dtype; master weights and optimizer state are fp32
+    compute_dtype: DtypeName = "auto"  # FSDP param dtype; master weights and optimizer state are fp32
     reshard_after_forward: bool = True  # False = SHARD_GRAD_OP (ZeRO-2)
     save_every: int = 0  # optimizer steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2
@@ -89,36 +102,35 @@ class TrainLoopConfig:
     progress: bool = True
 
 
-@dataclass
-class EvalConfig:
-    datasets: list[str] = field(default_factory=list)  # jsonl files with "turns" (../shared/data/eval/*.jsonl)
+class EvalConfig(Section):
+    datasets: list[str] = Field(default_factory=list)  # jsonl files with "turns" (../shared/data/eval/*.jsonl)
     num_prompts: int = 50
     max_new_tokens: int = 256
     temperature: float = 0.0
-    dtype: str = "float32"  # target + draft dtype for the eval
+    dtype: DtypeName = "float32"  # target + draft dtype for the eval (fp32: T=0 identity is exact)
     batch_size: int = 1
     baseline: bool = True  # also time plain target decoding on the same prompts (the speed ratio)
     threads: int | None = None  # torch threads for the eval (it runs on rank 0 alone: give it the idle cores)
 
 
-@dataclass
-class Recipe:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    draft: dict[str, Any] = field(default_factory=dict)  # DSparkConfig fields (validated against the target)
-    init: InitConfig = field(default_factory=InitConfig)  # where the draft's weights start
-    data: DataConfig = field(default_factory=DataConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    stream: StreamConfig = field(default_factory=StreamConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+class Recipe(Section):
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    draft: DraftSection = Field(default_factory=DraftSection)  # DSparkConfig fields (validated against the target)
+    init: InitConfig = Field(default_factory=InitConfig)  # where the draft's weights start
+    data: DataConfig = Field(default_factory=DataConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def draft_dict(self) -> dict[str, Any]:
-        return dict(self.draft)
+        """The draft keys the recipe sets (the rest come from the target)."""
+        return self.draft.model_dump(exclude_none=True)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump(mode="json")
 
     def validate(self) -> Recipe:
         if self.engine.kind not in ("hf", "sglang"):
@@ -131,76 +143,27 @@ class Recipe:
                               "disaggregated")
         if self.engine.sglang_url is not None and not self.engine.sglang_url.startswith(("http://", "https://")):
             raise RecipeError(f"engine.sglang_url must be http://host:port, got {self.engine.sglang_url!r}")
-        if not isinstance(self.engine.sglang_args, dict):
-            raise RecipeError(f"engine.sglang_args must be a mapping of sglang.Engine arguments, got "
-                              f"{self.engine.sglang_args!r}")
         if self.engine.placement == "disaggregated" and not self.engine.endpoints:
             raise RecipeError("engine.placement=disaggregated needs engine.endpoints (tcp://host:port of each engine)")
         if self.train.global_batch < 1 or self.train.micro_batch < 1:
             raise RecipeError("train.global_batch and train.micro_batch must be >= 1")
-        if self.train.compute_dtype not in ("float32", "bfloat16", "float16"):
-            raise RecipeError(f"train.compute_dtype must be float32|bfloat16|float16, got {self.train.compute_dtype}")
         if self.stream.credits < 1:
             raise RecipeError("stream.credits must be >= 1")
         return self
 
 
 # ---- loading -----------------------------------------------------------------------------------------------
-def _build(cls, raw: Any, where: str):
-    if not dataclasses.is_dataclass(cls):
-        return raw
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where or 'recipe'} must be a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise RecipeError(f"unknown key(s) {unknown} in {where or 'recipe'}; known: {sorted(names)}")
-    kwargs = {}
-    for k, v in raw.items():
-        t = hints[k]
-        sub = where + "." + k if where else k
-        if dataclasses.is_dataclass(t):
-            kwargs[k] = _build(t, v, sub)
-        else:
-            kwargs[k] = _coerce(t, v, sub)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"{where or 'recipe'}: {e}") from e
-
-
-def _coerce(t, v, where: str):
-    """Light type check: YAML gives the right scalar types; we turn lists into tuples and reject obvious mismatches."""
-    origin = typing.get_origin(t)
-    args = typing.get_args(t)
-    if v is None:
-        return v
-    if origin in (types.UnionType, typing.Union):
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, v, where)
-            except RecipeError:
-                continue
-        raise RecipeError(f"{where}: value {v!r} does not fit {t}")
-    if origin is tuple:
-        return tuple(v)
-    if t is float and isinstance(v, int | float) and not isinstance(v, bool):
-        return float(v)
-    if t is float and isinstance(v, str):  # PyYAML reads "3e-3" (no dot) as a string
-        try:
-            return float(v)
-        except ValueError:
-            raise RecipeError(f"{where}: expected a number, got {v!r}") from None
-    if t in (int, str, bool) and not isinstance(v, t):
-        raise RecipeError(f"{where}: expected {t.__name__}, got {v!r}")
-    if t is int and isinstance(v, bool):
-        raise RecipeError(f"{where}: expected int, got {v!r}")
-    return v
+def _one_line(e: ValidationError) -> str:
+    """The first problem of a pydantic error as `section.key: what (got value)`; unknown keys listed together."""
+    errs = e.errors()
+    extra = [err for err in errs if err["type"] in ("extra_forbidden", "unexpected_keyword_argument")]
+    if extra:
+        where = ".".join(str(p) for p in extra[0]["loc"][:-1]) or "recipe"
+        names = sorted(str(err["loc"][-1]) for err in extra if ".".join(map(str, err["loc"][:-1])) in (where, ""))
+        return f"unknown key(s) {names} in {where}"
+    err = errs[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']} (got {err.get('input')!r})"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -227,4 +190,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             if not isinstance(node, dict):
                 raise RecipeError(f"override {item!r}: {k} is not a section")
         node[keys[-1]] = value
-    return _build(Recipe, raw, "").validate()
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_one_line(e)) from None
+    except (TypeError, ValueError) as e:  # a section's own __post_init__ check
+        raise RecipeError(str(e)) from None
+    return recipe.validate()

@@ -7,15 +7,22 @@ once with transformers' GGUF loader and cache a normal fp32 HF folder, which loa
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE = Path(os.path.expanduser("~/.cache/dspark-sgl/smollm2-135m-instruct"))
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/dspark-sgl (default ~/.cache/dspark-sgl), read at call time."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dspark-sgl"
 
 
 def smollm2_gguf_path() -> Path:
@@ -30,11 +37,30 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _complete(out: Path) -> bool:
+    return (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
 def smollm2_hf_dir(cache_dir: str | Path | None = None) -> Path:
-    """An fp32 HF folder (config, safetensors, tokenizer) converted once from the packaged GGUF."""
-    out = Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    """An fp32 HF folder (config, safetensors, tokenizer) converted once from the packaged GGUF.
+
+    Safe when several processes ask at once (torchrun ranks, parallel tests): one converts under an exclusive
+    file lock while the others wait on it, then read the finished folder, which only ever appears whole (written
+    beside it, then renamed)."""
+    out = Path(cache_dir) if cache_dir else cache_root() / "smollm2-135m-instruct"
+    if _complete(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not _complete(out):
+            print(f"[dspark] converting SmolLM2-135M-Instruct from its GGUF once, into {out}", file=sys.stderr,
+                  flush=True)
+            _convert(out)
+    return out
+
+
+def _convert(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -44,10 +70,9 @@ def smollm2_hf_dir(cache_dir: str | Path | None = None) -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     if out.exists():  # a partial folder from an interrupted conversion
         shutil.rmtree(out)
     tmp.replace(out)
-    return out
