@@ -20,6 +20,33 @@ TARGET = Annotated[str, typer.Option(help="Target HF folder, or `smollm2` for th
 DRAFT = Annotated[
     str | None, typer.Option(help="DSpark draft folder, or `random` for a random-init draft (τ≈1).")
 ]
+DTYPE = Annotated[str, typer.Option(help="auto (bf16 only where the hardware has native bf16) | float32 | bfloat16 "
+                                         "| float16. Lossless T=0 identity holds exactly in float32.")]
+MAX_NEW = Annotated[int, typer.Option(min=1, help="Tokens to generate (>= 1).")]
+TEMPERATURE = Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")]
+
+
+def _top_p(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise typer.BadParameter(f"{value} is not in the range 0<x<=1 (top_p = 0 would keep no token)")
+    return value
+
+
+TOP_P = Annotated[float, typer.Option(callback=_top_p, help="Nucleus mass in (0, 1].")]
+BLOCK = Annotated[int | None, typer.Option(min=1, help="A shorter γ than the draft was trained for.")]
+
+
+# Commands that start child processes keep the default SIGINT behaviour (a child would inherit a blocked signal).
+_SPAWNING_COMMANDS = {"train", "serve"}
+
+
+@app.callback()
+def _main(ctx: typer.Context) -> None:
+    """DSpark speculative decoding: draft, serve, train."""
+    if ctx.invoked_subcommand not in _SPAWNING_COMMANDS:
+        from dspark_sgl.interrupt import prompt_interrupt
+
+        ctx.with_resource(prompt_interrupt())
 
 
 def _fail(msg: str) -> None:
@@ -63,11 +90,12 @@ def init_draft(
                   f"mask token {cfg.mask_token_id}, γ={cfg.block_size}")
 
 
-def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None):
+def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None,
+            block_size: int | None = None):
     from dspark_sgl.loading import load_pair
     from dspark_sgl.speculative.engine import SpecEngine
 
-    tgt, model, tok = load_pair(target, None if no_draft else (draft or "random"), dtype)
+    tgt, model, tok = load_pair(target, None if no_draft else (draft or "random"), dtype, block_size=block_size)
     planner = None
     if schedule == "confidence" and model is not None:
         from dspark_sgl.speculative.engine import confidence_planner
@@ -84,19 +112,20 @@ def generate(
     draft: DRAFT = None,
     prompt: Annotated[str | None, typer.Option(help="Raw prompt text (no chat template).")] = None,
     chat: Annotated[str | None, typer.Option(help="A user message, wrapped in the target's chat template.")] = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    max_new_tokens: MAX_NEW = 128,
+    temperature: TEMPERATURE = 0.0,
+    top_p: TOP_P = 1.0,
     acceptance: Annotated[str, typer.Option(help="rejection | block (sampling only).")] = "rejection",
     schedule: Annotated[str, typer.Option(help="static | confidence.")] = "static",
     sps_table: Path | None = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")] = False,
-    dtype: str = "float32",
+    block_size: BLOCK = None,
+    dtype: DTYPE = "auto",
     seed: int = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Generate with the target, speculatively with a DSpark draft unless --no-draft."""
-    from dspark_sgl.loading import encode_prompt, eos_ids
+    from dspark_sgl.loading import check_context, encode_prompt, eos_ids
     from dspark_sgl.speculative.engine import SamplingConfig
 
     if (prompt is None) == (chat is None):
@@ -104,8 +133,9 @@ def generate(
     if acceptance not in ("rejection", "block"):
         _fail(f"--acceptance must be rejection or block, got {acceptance!r}")
     try:
-        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table)
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size)
         ids = encode_prompt(tok, chat if chat is not None else prompt, chat is not None)
+        check_context(engine.target, len(ids), max_new_tokens)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if draft is None and not no_draft:
@@ -132,16 +162,17 @@ def eval_cmd(
     data: Annotated[list[Path], typer.Option(help='JSONL of {"turns": [...]} records; repeatable.')],
     target: TARGET = "smollm2",
     draft: DRAFT = None,
-    limit: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    limit: Annotated[int | None, typer.Option(min=1)] = None,
+    max_new_tokens: MAX_NEW = 128,
+    temperature: TEMPERATURE = 0.0,
+    top_p: TOP_P = 1.0,
     acceptance: str = "rejection",
     schedule: str = "static",
     sps_table: Path | None = None,
-    batch_size: int = 1,
+    batch_size: Annotated[int, typer.Option(min=1)] = 1,
+    block_size: BLOCK = None,
     no_draft: Annotated[bool, typer.Option("--no-draft")] = False,
-    dtype: str = "float32",
+    dtype: DTYPE = "auto",
     seed: int = 0,
     json_out: Path | None = None,
 ) -> None:
@@ -151,7 +182,7 @@ def eval_cmd(
     from dspark_sgl.speculative.engine import SamplingConfig
 
     try:
-        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table)
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     reports = []
@@ -183,7 +214,7 @@ def profile_sps_cmd(
     max_tokens: Annotated[int, typer.Option(help="Largest verify batch, in tokens.")] = 64,
     context: int = 256,
     repeats: int = 5,
-    dtype: str = "float32",
+    dtype: DTYPE = "auto",
 ) -> None:
     """Measure steps/s of the target verify forward for 1..max_tokens batch tokens (monotone-smoothed)."""
     from dspark_sgl.loading import load_pair
@@ -213,7 +244,7 @@ def calibrate(
     limit: int = 50,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
-    dtype: str = "float32",
+    dtype: DTYPE = "auto",
     out: Annotated[Path | None, typer.Option(help="Where to write sts.json (default: the draft folder).")] = None,
     heldout: Annotated[list[Path] | None, typer.Option(
         help="JSONL prompts to report calibration on, not the fitting ones (held-out ECE); repeatable.")] = None,

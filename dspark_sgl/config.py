@@ -141,8 +141,13 @@ class DSparkConfig:
         for prefixed, key in _PREFIXED.items():
             if prefixed in raw:
                 merged[key] = raw[prefixed]
+        top = {k: merged[k] for k in DSPARK_KEYS if k in merged}
         for nested in ("dflash_config", "dspark_config"):  # later wins, as in SGLang
             merged.update(raw.get(nested) or {})
+        for k, v in top.items():  # a top-level key that the nested section overrides: no silent winner
+            if merged[k] != v:
+                where = next(n for n in ("dspark_config", "dflash_config") if k in (raw.get(n) or {}))
+                raise ConfigError(f"config.json gives {k}={v!r} and {where}.{k}={merged[k]!r}; make them agree")
         # rope_parameters (transformers 5) carries rope_theta and the scaling dict.
         rope = raw.get("rope_parameters") or (raw.get("text_config") or {}).get("rope_parameters")
         if rope:

@@ -67,7 +67,8 @@ def init_draft_config(
 
 
 def load_pair(
-    target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", seed: int = 0
+    target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+    block_size: int | None = None,
 ) -> tuple[HFTarget, DSparkDraft | None, object]:
     """(target, draft or None, tokenizer). draft = "random" builds a random-init draft sized for the target."""
     torch_dtype = resolve_dtype(dtype, device)  # `auto`: bf16 only where this device multiplies it natively
@@ -78,7 +79,7 @@ def load_pair(
         torch.manual_seed(seed)
         model = DSparkDraft(init_draft_config(target_dir, tok))
     elif draft is not None:
-        model = DSparkDraft.from_pretrained(draft)
+        model = DSparkDraft.from_pretrained(draft, block_size=block_size)
     layer_ids = model.config.target_layer_ids if model is not None else [0]
     tgt = HFTarget.from_pretrained(target_dir, layer_ids, dtype=torch_dtype, device=device)
     if model is not None:
@@ -101,3 +102,11 @@ def eos_ids(tokenizer, target: HFTarget) -> set[int]:
     extra = getattr(gen, "eos_token_id", None) if gen is not None else None
     ids |= set(extra) if isinstance(extra, list) else {extra}
     return {int(i) for i in ids if i is not None}
+
+
+def check_context(target: HFTarget, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Prompt + generation (+ one draft block of slack) must fit the target's context window."""
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
+                         f"target's context length {limit}")

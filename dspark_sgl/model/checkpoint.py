@@ -120,14 +120,43 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
         raise CheckpointError(f"draft weights contain NaN/inf in: {bad}")
 
 
+def trained_block_size(path: str | Path) -> int | None:
+    """γ the weights were trained for, as `save_draft` records it (None for folders written by peers)."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                value = (st.metadata() or {}).get("block_size")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read weights file {f}: {e}") from None
+        if value is not None:
+            return int(value)
+    return None
+
+
 def load_draft(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    block_size: int | None = None,
 ) -> DSparkDraft:
-    """Load a draft folder written by us or a peer (SGLang / SpecForge / vLLM layouts)."""
+    """Load a draft folder written by us or a peer (SGLang / SpecForge / vLLM layouts).
+
+    The block size is the one the weights were trained for: a config.json that says otherwise is refused, and a
+    shorter γ is taken only when asked for explicitly (`block_size`); never a longer one."""
     config = DSparkConfig.from_pretrained(path)
     sts = Path(path) / "sts.json"
     if sts.exists() and config.sts_temperatures is None:
         config.sts_temperatures = json.loads(sts.read_text())["temperatures"]
+        config.validate()
+    trained = trained_block_size(path) or config.block_size
+    if config.block_size != trained:
+        raise CheckpointError(f"{path}: config.json says block_size={config.block_size} but the weights were "
+                              f"trained for {trained}; fix config.json (ask for a shorter γ with --block-size)")
+    if block_size is not None:
+        if not 1 <= block_size <= trained:
+            raise CheckpointError(f"--block-size must be in [1, {trained}] (the γ the draft was trained for), "
+                                  f"got {block_size}")
+        config.block_size = block_size
+        if config.sts_temperatures is not None:
+            config.sts_temperatures = config.sts_temperatures[:block_size]
         config.validate()
     with torch.device("meta"):
         model = DSparkDraft(config)
@@ -143,5 +172,8 @@ def save_draft(model: DSparkDraft, path: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-sgl"})
+    tmp = folder / f".{WEIGHTS_FILE}.tmp"  # written whole, then renamed: an interrupted save leaves no half file
+    save_file(state, str(tmp), metadata={"format": "pt", "producer": "dspark-sgl",
+                                         "block_size": str(model.config.block_size)})
+    tmp.replace(folder / WEIGHTS_FILE)
     return folder

@@ -229,10 +229,10 @@ class DSparkDraft(nn.Module):
         return self._inv_freq
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> DSparkDraft:
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, block_size: int | None = None) -> DSparkDraft:
         from dspark_sgl.model.checkpoint import load_draft
 
-        return load_draft(path, device=device, dtype=dtype)
+        return load_draft(path, device=device, dtype=dtype, block_size=block_size)
 
     def save_pretrained(self, path) -> None:
         from dspark_sgl.model.checkpoint import save_draft
