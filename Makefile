@@ -15,7 +15,7 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo quick-demo test lint test-sglang
+.PHONY: install demo quick-demo test lint test-sglang test-first-run
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -41,3 +41,7 @@ SGL_VENV ?= $(CURDIR)/.venv-sglang
 test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_server.py tests/test_sglang_capture.py
+
+# The newcomer's first run: 2 ranks of the README recipe (a few steps) from an empty $HOME / $XDG_CACHE_HOME.
+test-first-run: install
+	$(BIN)/python -m pytest -q -m slow tests/test_first_run.py

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dspark_sgl.loading import encode_prompt
+from dspark_sgl.progress import ProgressLine
 from dspark_sgl.speculative.engine import Generation, SamplingConfig, SpecEngine
 
 
@@ -79,8 +80,10 @@ def evaluate_dataset(
     prompts = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(path, limit)]
     gens: list[Generation] = []
     t0 = time.perf_counter()
+    line = ProgressLine(f"eval {Path(path).name}", len(prompts), every_s=20)
     for i in range(0, len(prompts), batch_size):
         gens += engine.generate(prompts[i : i + batch_size], max_new_tokens, sampling, eos)
+        line.update(len(prompts[i : i + batch_size]))
     return summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma), gens
 
 

@@ -59,7 +59,7 @@ def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(f'{{"turns": ["What is {i} plus {i + 1}?"]}}\n' for i in range(8)))
     env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1")
-    overrides = [f"data.train={data}", "data.skip_samples=0", "data.max_samples=8", "data.regenerate.enabled=false",
+    overrides = [f"data.train={data}", "data.skip_samples=0", "data.max_samples=8", "data.regenerate.max_new_tokens=16",
                  "train.max_steps=2", "train.epochs=1", "train.save_every=0", f"train.out_dir={tmp_path / 'run'}",
                  "train.wandb_mode=disabled", "eval.datasets=[]", "stream.memory_cache_mb=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "training",

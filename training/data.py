@@ -386,8 +386,11 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
                     if i % world == rank and cfg.skip_samples + i not in done]
             t0 = time.time()
             log(f"regenerating {len(mine)} responses with the target (rank {rank}; {len(done)} cached)")
+            from dspark_sgl.progress import ProgressLine
+
+            line = ProgressLine(f"[rank {rank}] regenerate", len(mine), every_s=20)
             regenerate(model_for_generation, tokenizer, mine, cfg.regenerate, cache_dir / f"regen-{rank}.jsonl",
-                       cfg.max_length)
+                       cfg.max_length, progress=line.update)
             log(f"regenerated in {time.time() - t0:.0f}s")
             barrier()
             if rank == 0:

@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.progress import ProgressLine
 from training import checkpoint as ckpt
 from training.data import Sample, epoch_order, prepare_samples
 from training.objective import (
@@ -372,7 +374,8 @@ class MetricLogger:
             self.wandb = wandb.init(project=t.wandb_project, dir=str(out), mode=t.wandb_mode,
                                     config=recipe.to_dict(), resume="allow")
         self.progress = None
-        if main and t.progress:
+        self.line = ProgressLine("step", total, start=start)
+        if main and t.progress and sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(),
@@ -393,8 +396,9 @@ class MetricLogger:
                 f"{m['anchor_tokens_per_s']:.0f} anchor-tok/s")
         if self.progress is not None:
             self.progress.update(self.task, completed=step + 1, info=info)
+        self.line.done = step + 1
         if (step + 1) % self.every == 0 or step + 1 == self.total:
-            line = (f"step {step + 1}/{self.total} loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} "
+            line = (f"{self.line.line()} loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} "
                     f"bce {m['bce']:.3f} acc {m['acc']:.3f} agree {m['teacher_agreement']:.3f} "
                     f"τp {m['tau_prob']:.3f} |g| {m['grad_norm']:.3f} lr {lr:.2e} "
                     f"{m['anchor_tokens_per_s']:.0f} anchor-tok/s")
