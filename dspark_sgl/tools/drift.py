@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark_sgl.dtypes import DTYPES
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.speculative.markov import rollout
 
 REGIMES = ("target", "boot", "heavy", "gauss")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Z95 = 1.959964
 
 

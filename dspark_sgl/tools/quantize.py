@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dspark_sgl.config import DSparkConfig
+from dspark_sgl.dtypes import DTYPES
 from dspark_sgl.model.formats import (
     BY_COMPRESSION,
     FormatError,
@@ -195,7 +196,6 @@ class QuantizeResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def quantize_draft(
@@ -216,8 +216,8 @@ def quantize_draft(
     raw_config = json.loads((src / "config.json").read_text())
     if "quantization_config" in raw_config:
         raise QuantizeError(f"{src} is already quantized; quantize the unquantized draft instead")
-    if rest_dtype not in _DTYPES:
-        raise QuantizeError(f"--rest-dtype must be one of {sorted(_DTYPES)}, got {rest_dtype!r}")
+    if rest_dtype not in DTYPES:
+        raise QuantizeError(f"--rest-dtype must be one of {sorted(DTYPES)}, got {rest_dtype!r}")
     if src.resolve() == out.resolve():
         raise QuantizeError("--out must differ from --draft")
     config = DSparkConfig.from_dict(raw_config)
@@ -249,7 +249,7 @@ def quantize_draft(
                 },
             }
         else:
-            tensors[name] = t.to(_DTYPES[rest_dtype]).contiguous()
+            tensors[name] = t.to(DTYPES[rest_dtype]).contiguous()
     missing = sorted(f"{m}.weight" for m in plan if f"{m}.weight" not in state)
     if missing:
         raise QuantizeError(f"planned modules have no weight in {src}: {missing}")
