@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,7 +72,17 @@ def _convert(out: Path) -> None:
     model.hf_quantizer = None
     model.is_quantized = False
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Written by hand: transformers' save_pretrained silently writes no weights on a torch.distributed rank != 0,
+    # and whichever torchrun rank takes the lock first is the one that converts.
+    model.config.architectures = [type(model).__name__]
+    model.config.to_json_file(str(tmp / "config.json"))
+    if model.generation_config is not None:
+        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # as save_pretrained writes it: the tied lm_head is not stored
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(tmp)
     if out.exists():  # a partial folder from an interrupted conversion
         shutil.rmtree(out)
