@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+ATTENTION_TYPES = ("gqa", "mla")
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 DSPARK_KEYS = (
     "block_size",
     "target_layer_ids",
@@ -69,6 +71,16 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True
     sample_from_anchor: bool = True  # anchor is the first prediction position: γ inputs give γ drafts
     sts_temperatures: list[float] | None = None  # per-position confidence temperatures (STS)
+    # ---- MLA variant (DeepSeek / Kimi-K3 attention; the Inferact/vLLM `k3_dspark` layout) ----
+    attention_type: str = "gqa"  # gqa: Qwen3-style q/k/v; mla: q_a/q_b + kv_a_proj_with_mqa/kv_b, latent context
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    own_embed_tokens: bool = False  # the draft trains its own embed_tokens (saved) instead of borrowing the target's
+    # The config.json this was read from: the MLA layout writes its keys back unchanged (peers' extra keys kept).
+    source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -82,6 +94,10 @@ class DSparkConfig:
     def has_markov(self) -> bool:
         return self.markov_rank > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.attention_type == "mla"
+
     def validate(
         self,
         target_hidden_size: int | None = None,
@@ -91,6 +107,7 @@ class DSparkConfig:
         """Raise ConfigError with one clear message for the first problem found."""
         if self.block_size < 1:
             raise ConfigError(f"block_size (γ) must be >= 1, got {self.block_size}")
+        self._validate_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -131,6 +148,17 @@ class DSparkConfig:
             )
         return self
 
+    def _validate_mla(self) -> None:
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ConfigError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        if not self.is_mla:
+            return
+        bad = {k: getattr(self, k) for k in MLA_DIMS if not isinstance(getattr(self, k), int) or getattr(self, k) < 1}
+        if bad:
+            raise ConfigError(f"attention_type=mla needs positive integers for {list(MLA_DIMS)}; got {bad}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+
     # ---- peer layouts -------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DSparkConfig:
@@ -154,6 +182,8 @@ class DSparkConfig:
             merged.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
             if rope.get("rope_type", "default") != "default":
                 merged.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        if _is_mla_layout(raw, merged):
+            _from_mla_layout(raw, merged)
         if merged.get("head_dim") is None and "hidden_size" in merged and "num_attention_heads" in merged:
             merged["head_dim"] = merged["hidden_size"] // merged["num_attention_heads"]
         if merged.get("num_key_value_heads") is None and "num_attention_heads" in merged:
@@ -163,11 +193,20 @@ class DSparkConfig:
                                "vocab_size") if n not in merged]
         if missing:
             raise ConfigError(f"draft config is missing required keys: {missing}")
+        merged["source"] = raw if merged.get("attention_type") == "mla" else None
         return cls(**{k: v for k, v in merged.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
-        """The canonical config.json: Qwen3-style backbone + every DSpark key where each peer reads it."""
+        """The canonical config.json: Qwen3-style backbone + every DSpark key where each peer reads it.
+
+        An MLA draft writes the Inferact/vLLM `k3_dspark` layout instead (`_mla_layout`)."""
+        if self.is_mla:
+            return self._mla_layout()
         own = asdict(self)
+        for k in ("attention_type", *MLA_DIMS, "source"):
+            own.pop(k)
+        if not self.own_embed_tokens:
+            own.pop("own_embed_tokens")
         dspark = {k: own[k] for k in DSPARK_KEYS}
         out: dict[str, Any] = {
             "architectures": ["DSparkDraftModel"],
@@ -191,6 +230,51 @@ class DSparkConfig:
             out.pop("sts_temperatures")
         return out
 
+    def _mla_layout(self) -> dict[str, Any]:
+        """The `K3DSparkModel` config.json vLLM, TorchSpec and ATOM read (Inferact/Kimi-K3-DSpark). Keys of the
+        file this config was read from come back in their order with their values (ours where we own the key);
+        our own extras (block size, STS, own embedding...) are written only when set or already present."""
+        src = dict(self.source or {})
+        rope_key = "rope_scaling" if "rope_scaling" in src else "rope_parameters"
+        rope = {**(src.get(rope_key) or {"rope_type": "default"}), **(self.rope_scaling or {})}
+        if rope_key == "rope_parameters":  # transformers 5 nests rope_theta; the legacy rope_scaling does not
+            rope["rope_theta"] = self.rope_theta
+        ours: dict[str, Any] = {
+            "architectures": ["K3DSparkModel"],
+            "model_type": "k3_dspark",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            **{k: getattr(self, k) for k in MLA_DIMS},
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "num_target_layers": self.num_aux,  # this layout counts the captured layers here
+            "target_hidden_size": self.hidden_size,
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "markov_rank": self.markov_rank,
+            "markov_head_type": self.markov_head_type,
+            "enable_confidence_head": self.enable_confidence_head,
+            "confidence_head_with_markov": self.confidence_head_with_markov,
+            "tie_word_embeddings": False,
+            "draft_vocab_size": self.vocab_size,
+        }
+        if rope_key in src or self.rope_scaling:
+            ours[rope_key] = rope
+        if self.num_target_layers is not None:
+            ours["target_num_hidden_layers"] = self.num_target_layers
+        defaults = {"block_size": 7, "sample_from_anchor": True, "own_embed_tokens": False, "hidden_act": "silu",
+                    "sts_temperatures": None}
+        for k, default in defaults.items():
+            if k in src or getattr(self, k) != default:
+                ours[k] = getattr(self, k)
+        src.update(ours)
+        return src
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DSparkConfig:
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
@@ -205,6 +289,39 @@ class DSparkConfig:
     def save_pretrained(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _is_mla_layout(raw: dict[str, Any], merged: dict[str, Any]) -> bool:
+    return (
+        merged.get("attention_type") == "mla"
+        or raw.get("model_type") == "k3_dspark"
+        or "K3DSparkModel" in (raw.get("architectures") or [])
+        or (merged.get("kv_lora_rank") is not None and merged.get("attention_type") is None)
+    )
+
+
+def _from_mla_layout(raw: dict[str, Any], merged: dict[str, Any]) -> None:
+    """The `k3_dspark` keys onto ours: its `num_target_layers` counts captured layers (ours: the target's depth,
+    its `target_num_hidden_layers`); the draft's hidden size must be the target's (shared lm_head)."""
+    merged["attention_type"] = "mla"
+    unsupported = [k for k in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm") if raw.get(k)]
+    if unsupported:
+        raise ConfigError(f"MLA variants {unsupported} are not supported (the K3 draft has none of them)")
+    if "target_num_hidden_layers" in raw or "K3DSparkModel" in (raw.get("architectures") or []):
+        n_aux = raw.get("num_target_layers")
+        if n_aux is not None and merged.get("target_layer_ids") and n_aux != len(merged["target_layer_ids"]):
+            raise ConfigError(
+                f"num_target_layers={n_aux} must equal len(target_layer_ids)={len(merged['target_layer_ids'])} "
+                "in the k3_dspark layout (it counts the captured target layers)"
+            )
+        merged["num_target_layers"] = raw.get("target_num_hidden_layers")
+    if raw.get("target_hidden_size", merged.get("hidden_size")) != merged.get("hidden_size"):
+        raise ConfigError(
+            f"target_hidden_size={raw['target_hidden_size']} != hidden_size={merged.get('hidden_size')}: "
+            "the draft shares the target's lm_head"
+        )
+    if raw.get("draft_vocab_size", merged.get("vocab_size")) != merged.get("vocab_size"):
+        raise ConfigError(f"draft_vocab_size={raw['draft_vocab_size']} != vocab_size={merged.get('vocab_size')}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[int]:

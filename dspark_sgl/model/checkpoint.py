@@ -27,7 +27,11 @@ class CheckpointError(ValueError):
     """A draft folder whose tensors do not match its config."""
 
 
-def canonical_name(name: str) -> str | None:
+def canonical_name(name: str, own_embed: bool = False) -> str | None:
+    """The draft's name for a checkpoint tensor, or None for target tensors we do not load (an own-embedding
+    draft keeps its `embed_tokens.weight`)."""
+    if own_embed and name in ("embed_tokens.weight", "model.embed_tokens.weight"):
+        return "embed_tokens.weight"
     if name.startswith(SKIPPED_PREFIXES):
         return None
     name = ALIASES.get(name, name)
@@ -90,8 +94,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if "quantization_config" in config_json:
         raw = dequantize_state_dict(raw, config_json["quantization_config"])
     out = {}
+    own_embed = bool(config_json.get("own_embed_tokens"))
     for name, t in raw.items():
-        canon = canonical_name(name)
+        canon = canonical_name(name, own_embed)
         if canon is not None:
             out[canon] = t
     return out

@@ -12,10 +12,16 @@ A DSpark draft is a small Qwen3-style decoder that predicts γ tokens in one non
 Training runs all anchor blocks of a sequence in ONE forward (each block sees context < its anchor and its own
 block); inference runs one block per request against a context K/V cache. Both call the same `forward_blocks`
 with the same mask rule, so the two paths cannot drift apart.
+
+An MLA draft (`attention_type: mla`, the Inferact/Kimi-K3 layout vLLM's `dspark` method loads) swaps the attention
+for DeepSeek/Kimi MLA and uses vLLM's names for the context path (`context_proj`, `context_norm`, `final_norm`):
+its "context K/V" per token is the target's own MLA cache entry, a latent of kv_lora_rank (normed) + qk_rope_head_dim
+(roped) values from `kv_a_proj_with_mqa(c)`, and `kv_b_proj` expands latent to per-head keys/values inside attention.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +93,87 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_rope(config: DSparkConfig) -> tuple[Tensor, float, float]:
+    """(inv_freq over qk_rope_head_dim, cos/sin scale, softmax scale) for an MLA draft: default, linear or DeepSeek
+    YaRN scaling (the target's own `rope_parameters`, as vLLM's DeepseekScalingRotaryEmbedding computes them)."""
+    d, base = config.qk_rope_head_dim, config.rope_theta
+    exps = torch.arange(0, d, 2, dtype=torch.float64) / d
+    inv = 1.0 / (base**exps)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    softmax_scale = (config.qk_nope_head_dim + d) ** -0.5
+    cos_scale = 1.0
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind in ("yarn", "deepseek_yarn"):
+        factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        fast, slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+        dim_of = lambda rot: d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)  # low frequencies interpolated, high ones kept
+        mscale, mscale_all = float(scaling.get("mscale", 1.0)), float(scaling.get("mscale_all_dim", 0.0))
+        cos_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        softmax_scale *= yarn_mscale(factor, mscale_all) ** 2
+    elif kind not in ("default", None):
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the MLA draft yet")
+    return inv.float(), cos_scale, softmax_scale
+
+
+def apply_rope_interleaved(x: Tensor, pos: Tensor, inv_freq: Tensor, scale: float = 1.0) -> Tensor:
+    """GPT-J (interleaved-pair) RoPE, the DeepSeek/Kimi MLA convention: x [B, heads, T, d], pos [B, T]."""
+    freqs = pos.to(torch.float32)[:, None, :, None] * inv_freq.to(x.device)  # [B,1,T,d/2]
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    """Kimi-K3 / DeepSeek MLA with DSpark's dual-source keys (vLLM `K3DSparkModel`, TorchSpec `K3DSparkMLAAttention`).
+
+    Context and block rows both enter through `kv_a_proj_with_mqa`; what is cached per context token is the latent
+    (kv_a_layernorm(c_kv), RoPE(k_pe)) — 512 + 64 values for K3, the layout of the target's own MLA pages. Keys and
+    values are expanded from the latent by `kv_b_proj` (the unabsorbed form: the reference, not the fast kernel).
+    """
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim)
+        self.kv_lora_rank = c.kv_lora_rank
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=False)
+        _, self.cos_scale, self.softmax_scale = mla_rope(c)
+
+    def kv(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        """Latent cache entries of rows x: (kv_a_layernorm(c_kv) [B, 1, T, kv_lora], RoPE(k_pe) [B, 1, T, rope])."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        k_pe = apply_rope_interleaved(k_pe[:, None], pos, inv_freq, self.cos_scale)
+        return self.kv_a_layernorm(c_kv)[:, None], k_pe
+
+    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor, inv_freq: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.n_heads, -1).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q = torch.cat((q_nope, apply_rope_interleaved(q_pe, pos, inv_freq, self.cos_scale)), dim=-1)
+        c_kv, k_pe = self.kv(x, pos, inv_freq)
+        c_kv, k_pe = torch.cat((ctx_k, c_kv), dim=2)[:, 0], torch.cat((ctx_v, k_pe), dim=2)  # [B,S,r], [B,1,S,d]
+        kv = self.kv_b_proj(c_kv).view(B, c_kv.shape[1], self.n_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(-1, self.n_heads, -1, -1)), dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -102,7 +189,7 @@ class DraftLayer(nn.Module):
     def __init__(self, c: DSparkConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = MLAAttention(c) if c.is_mla else Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -206,18 +293,32 @@ class TargetHeads:
     lm_head: nn.Module
 
 
+MLA_ALIASES = {"fc": "context_proj", "hidden_norm": "context_norm", "norm": "final_norm"}  # GQA name -> vLLM MLA name
+
+
 class DSparkDraft(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.config = config
         c = config
-        self.fc = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.is_mla:  # vLLM's K3DSparkModel names, so a folder we save is the folder vLLM loads
+            self.context_proj = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
+            self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        else:
+            self.fc = nn.Linear(c.num_aux * c.hidden_size, c.hidden_size, bias=False)
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.is_mla:
+            self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            for alias, name in MLA_ALIASES.items():  # one spelling for every caller; not a second registration
+                object.__setattr__(self, alias, getattr(self, name))
+        else:
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.markov_head = MarkovHead(c)
         self.confidence_head = ConfidenceHead(c) if c.enable_confidence_head else None
-        self._inv_freq = rope_inv_freq(c)  # fp32 always; a plain attribute so .to(bf16) cannot round it
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if c.own_embed_tokens else None
+        # fp32 always; a plain attribute so .to(bf16) cannot round it
+        self._inv_freq = mla_rope(c)[0] if c.is_mla else rope_inv_freq(c)
         self._target: TargetHeads | None = None
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
@@ -252,6 +353,8 @@ class DSparkDraft(nn.Module):
         return self._target
 
     def embed(self, ids: Tensor) -> Tensor:
+        if self.embed_tokens is not None:  # own (trained) embedding: the Inferact K3 draft's choice
+            return self.embed_tokens(ids)
         return self.target.embed_tokens(ids).to(self.fc.weight.dtype)
 
     def base_logits(self, h: Tensor) -> Tensor:
@@ -282,6 +385,13 @@ class DSparkDraft(nn.Module):
     def context_kv(self, ctx: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer context K/V [B, kv_heads, S, d] for context vectors ctx [B, S, H] at positions pos [B, S]."""
         return [layer.self_attn.kv(ctx, pos, self.inv_freq) for layer in self.layers]
+
+    def context_kv_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, dim) of the cached K and V per token: GQA K/V heads, or MLA's latent (1, kv_lora) + (1, rope)."""
+        c = self.config
+        if c.is_mla:
+            return (1, c.kv_lora_rank), (1, c.qk_rope_head_dim)
+        return (c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim)
 
     def forward_blocks(
         self,
@@ -336,9 +446,9 @@ class DraftContextCache:
         c = draft.config
         self.draft = draft
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        shape = (batch_size, c.num_key_value_heads, 0, c.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        (nk, dk), (nv, dv) = draft.context_kv_dims()
+        self.k = [torch.zeros(batch_size, nk, 0, dk, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(batch_size, nv, 0, dv, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
 
     @property
     def capacity(self) -> int:

@@ -21,7 +21,7 @@ class GatheredContext:
     """One decode step's view of the pool, in the shape `DSparkDraft.forward_step` reads (as DraftContextCache)."""
 
     lengths: Tensor  # [B] committed tokens with context K/V
-    k: list[Tensor]  # per layer [B, kv_heads, S, d]
+    k: list[Tensor]  # per layer [B, kv_heads, S, d] (MLA: [B, 1, S, kv_lora_rank] latent, v = [B, 1, S, rope])
     v: list[Tensor]
 
     @property
@@ -36,9 +36,11 @@ class DraftContextPool:
     def __init__(self, draft: DSparkDraft, num_slots: int, device: torch.device | str, dtype: torch.dtype):
         c = draft.config
         self.draft = draft
-        shape = (c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # GQA: K/V heads; MLA: the latent (kv_a_layernorm(c_kv), RoPE(k_pe)) = the target's own page layout, kept
+        # in this separate pool (sharing the target's MLA pages would need the draft layers registered in them).
+        (nk, dk), (nv, dv) = draft.context_kv_dims()
+        self.k = torch.zeros(c.num_hidden_layers, num_slots, nk, dk, device=device, dtype=dtype)
+        self.v = torch.zeros(c.num_hidden_layers, num_slots, nv, dv, device=device, dtype=dtype)
 
     @property
     def num_slots(self) -> int:

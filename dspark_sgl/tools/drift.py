@@ -274,10 +274,11 @@ def draft_layer_outputs(draft: DSparkDraft, ids: Tensor) -> Tensor:
     x = draft.embed(ids)
     pos = torch.arange(S).expand(B, S)
     causal = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
-    empty = x.new_zeros(B, c.num_key_value_heads, 0, c.head_dim)
+    (nk, dk), (nv, dv) = draft.context_kv_dims()  # GQA K/V heads or the MLA latent: no context here
+    empty = (x.new_zeros(B, nk, 0, dk), x.new_zeros(B, nv, 0, dv))
     outs = []
     for layer in draft.layers:
-        x = layer(x, pos, causal, draft.inv_freq, ctx_kv=(empty, empty))
+        x = layer(x, pos, causal, draft.inv_freq, ctx_kv=empty)
         outs.append(x)
     L, K = len(outs), c.num_aux
     pick = [round(i * (L - 1) / max(K - 1, 1)) for i in range(K)]
