@@ -23,6 +23,9 @@ def quantize(
     exclude: list[str] = typer.Option(None, "--exclude", help="module glob(s) to keep unquantized"),
     mixed: str = typer.Option(None, "--mixed", help="per-pattern schemes, e.g. o_proj=mxfp4,default=fp8 (card 002)"),
     rest_dtype: str = typer.Option("bf16", "--rest-dtype", help="dtype of the unquantized tensors: bf16|fp16|fp32"),
+    recipe: str = typer.Option(
+        None, "--recipe", help="a model card's build by name: kimi-k3-dspark-{fp8,nvfp4,mxfp4,oproj-mxfp4}"
+    ),
 ) -> None:
     """Weight-only FP8 / NVFP4 / MXFP4 quantization into a compressed-tensors checkpoint plus a manifest."""
     from rich.console import Console
@@ -31,7 +34,7 @@ def quantize(
     from dspark_sgl.tools.quantize import quantize_draft
 
     try:
-        result = quantize_draft(draft, out, scheme, include or None, exclude or None, mixed, rest_dtype)
+        result = quantize_draft(draft, out, scheme, include or None, exclude or None, mixed, rest_dtype, recipe)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     m = result.manifest
@@ -152,7 +155,7 @@ def export_gguf(
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     typer.echo(
-        f"wrote {summary.path}: {len(summary.tensors)} tensors, {summary.nbytes / 2**20:.1f} MiB, "
+        f"wrote {summary.path}: {len(summary.written)} tensors, {summary.nbytes / 2**20:.1f} MiB, "
         f"arch={summary.arch}" + (f", stripped {summary.stripped}" if summary.stripped else "")
     )
 

@@ -13,6 +13,12 @@ summary. 2-D weights keep their source dtype byte for byte (BF16 stays BF16); 1-
 to F32 (exact), as llama.cpp's converters do, because ggml's norm kernels take F32. Non-vanilla Markov heads
 (gated, rnn) export their extra projections as `markov_gate` / `markov_joint`; upstream llama.cpp only runs
 the vanilla head.
+
+MLA drafts (card 003, the dflash+MLA layout): llama.cpp's DeepSeek-2 names (`attn_q_a`, `attn_q_a_norm`, `attn_q_b`,
+`attn_kv_a_mqa`, `attn_kv_a_norm`, `attn_output`) and kv_b_proj split per head into `attn_k_b` [n_head, kv_lora,
+nope] (transposed, for weight absorption) and `attn_v_b` [n_head, v, kv_lora], as convert_hf_to_gguf.py does;
+`{arch}.attention.{q,kv}_lora_rank` plus the DeepSeek-2 key/value lengths (latent 576 / 512, per-head MLA 192 / 128),
+the rope dimension count and YaRN keys. An own `embed_tokens` is stripped like the target's (K3: 72 tensors).
 """
 
 from __future__ import annotations
@@ -57,6 +63,22 @@ LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+MLA_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+MLA_GLOBAL_NAMES = {"context_proj.weight": "fc.weight", "context_norm.weight": "enc.output_norm.weight",
+                    "final_norm.weight": "output_norm.weight"}
+STRIPPED = ("embed_tokens.",)  # an own-embedding draft's table: llama.cpp embeds with the target's
 FILE_TYPES = {
     torch.float32: 0,
     torch.float16: 1,
@@ -72,7 +94,8 @@ class ExportError(ValueError):
 class ExportSummary:
     path: Path
     arch: str
-    tensors: dict[str, str] = field(default_factory=dict)  # draft name -> gguf name
+    tensors: dict[str, str] = field(default_factory=dict)  # draft name -> gguf name(s), comma-joined when split
+    written: list[str] = field(default_factory=list)  # every GGUF tensor name, in file order
     stripped: list[str] = field(default_factory=list)
     nbytes: int = 0
 
@@ -84,6 +107,46 @@ def gguf_name(name: str) -> str:
     if m and m.group(2) in LAYER_NAMES:
         return f"blk.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
     raise ExportError(f"no GGUF name for draft tensor {name!r}")
+
+
+def gguf_tensors(name: str, t: Tensor, c: DSparkConfig) -> list[tuple[str, Tensor]]:
+    """GGUF (name, tensor) pairs for one draft tensor: one, or MLA's kv_b_proj split into k_b and v_b."""
+    if not c.is_mla:
+        return [(gguf_name(name), t)]
+    if name in MLA_GLOBAL_NAMES:
+        return [(MLA_GLOBAL_NAMES[name], t)]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) == "self_attn.kv_b_proj.weight":
+        kv_b = t.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+        return [(f"blk.{m.group(1)}.attn_k_b.weight", k_b.transpose(1, 2)), (f"blk.{m.group(1)}.attn_v_b.weight", v_b)]
+    if m and m.group(2) in MLA_LAYER_NAMES:
+        return [(f"blk.{m.group(1)}.{MLA_LAYER_NAMES[m.group(2)]}", t)]
+    if name in GLOBAL_NAMES and not name.startswith(("fc.", "hidden_norm.", "norm.")):
+        return [(GLOBAL_NAMES[name], t)]
+    raise ExportError(f"no GGUF name for MLA draft tensor {name!r}")
+
+
+def _write_mla_attention(w, arch: str, c: DSparkConfig) -> None:
+    """DeepSeek-2's MLA keys: latent key/value lengths for the absorbed cache, per-head lengths for the MLA path."""
+    w.add_head_count_kv(1)
+    w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    scaling = c.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) in ("yarn", "deepseek_yarn"):
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(scaling.get("mscale_all_dim", 0.0)))
+        w.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast", 32)))
+        w.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow", 1)))
 
 
 def _stripped(folder: Path) -> list[str]:
@@ -113,12 +176,15 @@ def _write_metadata(w, arch: str, c: DSparkConfig, file_type: int, name: str) ->
     w.add_block_count(c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
+    if c.is_mla:
+        _write_mla_attention(w, arch, c)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_dimension_count(c.head_dim)
     scaling = c.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         import gguf
@@ -173,11 +239,14 @@ def export_gguf(draft_dir: str | Path, out_path: str | Path, arch: str = "dflash
     writer = gguf.GGUFWriter(str(summary.path), arch)
     _write_metadata(writer, arch, config, file_type, folder.resolve().name)
     for name in sorted(state):
-        target = gguf_name(name)
-        data, raw_dtype = _array(state[name])
-        writer.add_tensor(target, data, raw_dtype=raw_dtype)
-        summary.tensors[name] = target
-        summary.nbytes += data.nbytes
+        if name.startswith(STRIPPED):
+            continue  # already listed in summary.stripped (read from the files)
+        for target, t in gguf_tensors(name, state[name], config):
+            data, raw_dtype = _array(t)
+            writer.add_tensor(target, data, raw_dtype=raw_dtype)
+            summary.tensors[name] = target if name not in summary.tensors else f"{summary.tensors[name]},{target}"
+            summary.written.append(target)
+            summary.nbytes += data.nbytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

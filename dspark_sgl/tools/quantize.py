@@ -6,8 +6,14 @@ Which tensors get which format follows the model cards:
     share a scheme — the GQA counterpart of MLA's q_b_proj), plus the context projection `fc`.
   * --mixed (card 002, o_proj-only MXFP4): the same decoder projections, `fc` left in BF16; each
     `pattern=scheme` pair overrides the format of the modules it matches, `default=scheme` covers the rest.
-Embeddings (not in the draft at all), the Markov head, every norm and the confidence head stay BF16; the
-Markov head's Linear can still be picked by an explicit `--include markov_head.*`, the confidence head never.
+On an MLA draft (the cards' own Inferact/Kimi-K3 layout) the same cards select `self_attn.q_b_proj` where GQA has
+q/k/v, and card 000 adds `context_proj`; card 002 quantizes q_b_proj and kv_b_proj to FP8 (25 FP8 + 5 MXFP4 for
+K3). `--recipe NAME` (RECIPES) reproduces each card by name. Fused runtime shards (GQA q/k/v, MLA q_a_proj +
+kv_a_proj_with_mqa = `fused_qkv_a_proj`, MLP gate/up) must share a scheme: compressed-tensors refuses a
+mixed fused module at load, so the plan refuses it first.
+Embeddings (the target's, or an own-embedding draft's `embed_tokens`), the Markov head, every norm and the
+confidence head stay BF16; the Markov head's Linear can still be picked by an explicit `--include markov_head.*`,
+the confidence head never.
 
 Patterns are shell globs over module names (`layers.*.mlp.*`); a pattern without a wildcard matches a dotted
 suffix (`o_proj` = every `*.o_proj`). A pattern that matches nothing is an error, not a silent no-op.
@@ -54,6 +60,23 @@ DECODER_PROJECTIONS = tuple(
 )
 CARD_000_SELECTION = (*DECODER_PROJECTIONS, "fc")  # one format for all (FP8 / NVFP4 / MXFP4 builds)
 CARD_002_SELECTION = DECODER_PROJECTIONS  # the mixed o_proj-MXFP4 build keeps fc in BF16
+MLA_PROJECTIONS = tuple(
+    f"layers.*.{p}" for p in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.q_b_proj")
+)
+MLA_CARD_000_SELECTION = (*MLA_PROJECTIONS, "context_proj")  # card 000: "2.19 B of 3.56 B params quantized"
+MLA_CARD_002_SELECTION = (*MLA_PROJECTIONS, "layers.*.self_attn.kv_b_proj")  # card 002: 5 MXFP4 + 25 FP8
+FUSED_SHARDS = (  # one runtime module in vLLM/SGLang: every shard must carry the same scheme
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+    ("mlp.gate_proj", "mlp.up_proj"),
+)
+# The cards' builds by name: (scheme, mixed). Selections follow the draft's attention type.
+RECIPES = {
+    "kimi-k3-dspark-fp8": ("fp8", None),  # card 000's recommended build (identical selection)
+    "kimi-k3-dspark-nvfp4": ("nvfp4", None),  # card 000: kodelow/Kimi-K3-DSpark-NVFP4
+    "kimi-k3-dspark-mxfp4": ("mxfp4", None),  # card 000's MXFP4 comparison row
+    "kimi-k3-dspark-oproj-mxfp4": (None, "o_proj=mxfp4,default=fp8"),  # card 002: Zhangdanyang/...-OProj-MXFP4
+}
 PROTECTED = ("markov_head.",)  # picked only by a pattern that names them explicitly
 NEVER = ("confidence_head.",)  # scheduling head: fp32 at run time, BF16 on disk, never quantized
 
@@ -122,7 +145,10 @@ def plan_quantization(
     if include:
         chosen = {n for p in include for n in _select(p, names, "--include")}
     else:
-        base = CARD_002_SELECTION if mixed or scheme is None else CARD_000_SELECTION
+        if config.is_mla:
+            base = MLA_CARD_002_SELECTION if mixed or scheme is None else MLA_CARD_000_SELECTION
+        else:
+            base = CARD_002_SELECTION if mixed or scheme is None else CARD_000_SELECTION
         chosen = {n for p in base for n in eligible if fnmatch.fnmatchcase(n, p)}
     overrides = {p: _select(p, names, "--mixed pattern") for p in mixed}
     chosen |= {n for hits in overrides.values() for n in hits}
@@ -135,7 +161,28 @@ def plan_quantization(
             plan[n] = get_format(fmt)
     if not plan:
         raise QuantizeError("the selection is empty: nothing would be quantized")
+    check_fused_shards(plan, names)
     return plan
+
+
+def check_fused_shards(plan: dict[str, WeightFormat], names: list[str]) -> None:
+    """Refuse a plan whose shards of one fused runtime module (FUSED_SHARDS) disagree on their scheme."""
+    for i in sorted({int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}):
+        for group in FUSED_SHARDS:
+            mods = [f"layers.{i}.{g}" for g in group if f"layers.{i}.{g}" in names]
+            schemes = {m: plan[m].name if m in plan else "bf16" for m in mods}
+            if len(set(schemes.values())) > 1:
+                raise QuantizeError(
+                    f"fused shards must share a scheme (one runtime module; compressed-tensors refuses mixed "
+                    f"shards): {schemes}"
+                )
+
+
+def recipe_arguments(name: str) -> tuple[str | None, str | None]:
+    """(scheme, mixed) of a named card recipe."""
+    if name not in RECIPES:
+        raise QuantizeError(f"unknown --recipe {name!r}; known: {sorted(RECIPES)}")
+    return RECIPES[name]
 
 
 # ---- compressed-tensors config
@@ -206,9 +253,15 @@ def quantize_draft(
     exclude: list[str] | None = None,
     mixed: str | dict[str, str] | None = None,
     rest_dtype: str = "bf16",
+    recipe: str | None = None,
 ) -> QuantizeResult:
     """Read a draft folder, write a compressed-tensors folder (config.json, model.safetensors, manifest)."""
     from dspark_sgl.model.checkpoint import read_state_dict
+
+    if recipe is not None:
+        if scheme is not None or mixed is not None or include or exclude:
+            raise QuantizeError("--recipe fixes the selection: give it alone (no --scheme/--mixed/--include/--exclude)")
+        scheme, mixed = recipe_arguments(recipe)
 
     src, out = Path(draft_dir), Path(out_dir)
     if not (src / "config.json").exists():
@@ -262,6 +315,7 @@ def quantize_draft(
         if (src / extra).exists():
             shutil.copy2(src / extra, out / extra)
     manifest = _manifest(plan, entries, state, tensors, rest_dtype, scheme, mixed_map, include, exclude)
+    manifest["recipe"]["name"] = recipe
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return QuantizeResult(out, manifest)
 
