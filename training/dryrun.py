@@ -42,9 +42,12 @@ def dry_run(recipe: Recipe, world_size: int | None = None, console: Console | No
     try:
         with torch.device("meta"):
             draft = DSparkDraft(cfg)
-        parts = {"layers": _count(draft.layers), "fc + hidden_norm": _count(draft.fc) + _count(draft.hidden_norm),
+        ctx_name = "context_proj + context_norm" if cfg.is_mla else "fc + hidden_norm"
+        parts = {"layers": _count(draft.layers), ctx_name: _count(draft.fc) + _count(draft.hidden_norm),
                  "markov head": _count(draft.markov_head), "norm": _count(draft.norm),
                  "confidence head": _count(draft.confidence_head) if draft.confidence_head else 0}
+        if draft.embed_tokens is not None:  # an own (trained) embedding, e.g. the Inferact K3 MLA draft
+            parts["embed_tokens (own)"] = _count(draft.embed_tokens)
         total = _count(draft)
         compute = compute_dtype(recipe, default_device(recipe.engine.device, 0))
         module = shard(ObjectiveModule(draft, ObjectiveConfig(**vars(o))), compute, t.reshard_after_forward)
@@ -58,6 +61,8 @@ def dry_run(recipe: Recipe, world_size: int | None = None, console: Console | No
     for name, n in parts.items():
         table.add_row(name, f"{n:,}")
     table.add_row("total (trained)", f"{total:,}")
+    if draft.embed_tokens is not None:
+        table.add_row("total without embed_tokens", f"{total - parts['embed_tokens (own)']:,}")
     table.add_row("local shard, rank 0", f"{local:,}")
     console.print(table)
     mt = Table(title=f"per-rank memory, micro-batch {t.micro_batch} × {recipe.data.max_length} tokens, "
@@ -86,6 +91,9 @@ def memory_plan(recipe: Recipe, cfg, facts: dict, total: int, local: int, W: int
     root_params = total - layer_params * L
     kv = cfg.num_key_value_heads * cfg.head_dim
     q = cfg.num_attention_heads * cfg.head_dim
+    if cfg.is_mla:  # the cached context is the latent (kv_lora + rope per token, counted as "2 × kv")
+        kv, q = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) / 2, cfg.num_attention_heads * (
+            cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     # saved for backward per layer and block row: norms, q/k/v/o inputs and outputs, MLP gate/up/act/down
     act_row = 6 * H + q + 2 * kv + 4 * cfg.intermediate_size
     unsharded_live = (L * layer_params if not t.reshard_after_forward else 2 * layer_params) + root_params

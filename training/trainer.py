@@ -88,7 +88,8 @@ def fold_aux_scale(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = dict(state)
     inv = state.pop("aux_inv_scale", None)
     if inv is not None:
-        state["draft.fc.weight"] = state["draft.fc.weight"] * inv.to(state["draft.fc.weight"].dtype)[None, :]
+        key = "draft.context_proj.weight" if "draft.context_proj.weight" in state else "draft.fc.weight"  # MLA name
+        state[key] = state[key] * inv.to(state[key].dtype)[None, :]
     return {k.removeprefix("draft."): v for k, v in state.items()}
 
 

@@ -93,6 +93,8 @@ def init_from_draft(draft: DSparkDraft, folder: str | Path) -> None:
 
 def warm_start(draft: DSparkDraft, cfg: InitConfig, target_dir: Path) -> str:
     """Apply the recipe's init section; returns a one-line description for the log."""
+    if cfg.target_layers and draft.config.is_mla:
+        raise ValueError("init.target_layers copies Qwen3-style q/k/v layers: an MLA draft has none; start at random")
     if cfg.target_layers:
         init_from_target(draft, target_dir, cfg.target_layers)
         return f"draft layers copied from target layers {cfg.target_layers}"
