@@ -101,7 +101,7 @@ def mla_rope(config: DSparkConfig) -> tuple[Tensor, float, float]:
     """(inv_freq over qk_rope_head_dim, cos/sin scale, softmax scale) for an MLA draft: default, linear or DeepSeek
     YaRN scaling (the target's own `rope_parameters`, as vLLM's DeepseekScalingRotaryEmbedding computes them)."""
     d, base = config.qk_rope_head_dim, config.rope_theta
-    exps = torch.arange(0, d, 2, dtype=torch.float64) / d
+    exps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d  # cpu even under a meta-device build
     inv = 1.0 / (base**exps)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -114,7 +114,7 @@ def mla_rope(config: DSparkConfig) -> tuple[Tensor, float, float]:
         fast, slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
         dim_of = lambda rot: d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
         low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
-        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         inv = inv / factor * ramp + inv * (1 - ramp)  # low frequencies interpolated, high ones kept
         mscale, mscale_all = float(scaling.get("mscale", 1.0)), float(scaling.get("mscale_all_dim", 0.0))
         cos_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
