@@ -32,6 +32,21 @@ def _has_builtin_dspark() -> bool:
     return "DSPARK" in SpeculativeAlgorithm.__members__
 
 
+def register_mla_draft_config() -> None:
+    """SGLang reads the draft's config.json with AutoConfig, which does not know vLLM's `k3_dspark` model type (the
+    MLA draft's layout): register a plain PretrainedConfig for it, as vLLM's own config registry does."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "k3_dspark" in CONFIG_MAPPING:
+        return
+
+    class K3DSparkConfig(PretrainedConfig):
+        model_type = "k3_dspark"
+
+    AutoConfig.register("k3_dspark", K3DSparkConfig)
+
+
 def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -40,6 +55,7 @@ def load() -> None:
     from dspark_sgl.sglang.worker import DSparkWorker
 
     register_capture_hooks()  # training capture; a no-op unless the model override asks for it
+    register_mla_draft_config()
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
         HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)
