@@ -20,6 +20,7 @@ from dspark_sgl.config import DSparkConfig
 from dspark_sgl.dtypes import DTYPE_NAMES
 from training.data import DataConfig
 from training.objective import ObjectiveConfig
+from training.publish import PublishConfig
 from training.warmstart import InitConfig
 
 DtypeName = Literal[DTYPE_NAMES]  # "auto" = bf16 only where the device multiplies it natively (dspark_sgl.dtypes)
@@ -124,6 +125,7 @@ class Recipe(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    publish: PublishConfig = Field(default_factory=PublishConfig)  # push drafts into running servers (publish.py)
 
     def draft_dict(self) -> dict[str, Any]:
         """The draft keys the recipe sets (the rest come from the target)."""

@@ -42,6 +42,7 @@ from training.objective import (
     sample_anchors,
     summarise,
 )
+from training.publish import Publisher
 from training.recipe import Recipe, RecipeError
 from training.sources import make_source
 from training.target import (
@@ -253,6 +254,7 @@ class Trainer:
                  f"{t.global_batch} ({self.d.world} ranks × {plan.accumulation} micro × {t.micro_batch}) | "
                  f"warmup {warmup} | {self.d.device}")
         logger = MetricLogger(r, self.out, self.main, steps, start)
+        publisher = Publisher(r.publish, self.out, self.log) if r.publish.every_steps else None
         for step in range(start, steps):
             micro = plan.micro_batches(step, self.d.rank)
             ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
@@ -264,6 +266,10 @@ class Trainer:
                 ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
                                      {"position": done * t.global_batch, "epoch": done * t.global_batch //
                                       len(samples), "inflight": source.pending()}, keep=t.keep_checkpoints)
+            if publisher is not None and r.publish.due(done):  # export is collective; rank 0 pushes
+                folder = self.export(model, publisher.folder(done))
+                if self.main:
+                    publisher.publish(folder, done)
         logger.close()
         folder = self.export(model, self.out / "draft")
         if self.main and r.eval.datasets:

@@ -4,6 +4,10 @@ Every committed token (prompt tokens, each step's anchor and accepted drafts) ge
 slot where the target wrote its own KV. SGLang's allocator, radix cache, retraction and chunked prefill therefore
 manage the draft context for free: a slot that holds a token's target KV holds its draft context too, and a slot
 that is freed and reused is overwritten by the next write to it.
+
+Each slot also records the draft epoch that wrote it. A live draft update (weights.py) starts a new epoch: context
+written by the old weights is then stale, and `gather` reports which requests still read some (they verify the
+anchor alone, i.e. plain decoding, until they finish; a radix-cached prefix stays stale until SGLang flushes it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class GatheredContext:
     lengths: Tensor  # [B] committed tokens with context K/V
     k: list[Tensor]  # per layer [B, kv_heads, S, d] (MLA: [B, 1, S, kv_lora_rank] latent, v = [B, 1, S, rope])
     v: list[Tensor]
+    stale: Tensor | None = None  # [B] bool: some context was written by an earlier draft epoch
 
     @property
     def capacity(self) -> int:
@@ -41,6 +46,13 @@ class DraftContextPool:
         (nk, dk), (nv, dv) = draft.context_kv_dims()
         self.k = torch.zeros(c.num_hidden_layers, num_slots, nk, dk, device=device, dtype=dtype)
         self.v = torch.zeros(c.num_hidden_layers, num_slots, nv, dv, device=device, dtype=dtype)
+        self.epoch = 0
+        self.slot_epoch = torch.zeros(num_slots, device=device, dtype=torch.int32)
+
+    def new_epoch(self, draft: DSparkDraft) -> None:
+        """A new draft serves from now on: everything written so far is stale context."""
+        self.draft = draft
+        self.epoch += 1
 
     @property
     def num_slots(self) -> int:
@@ -56,6 +68,7 @@ class DraftContextPool:
         for layer, (k, v) in enumerate(self.draft.context_kv(ctx, positions.long()[None])):
             self.k[layer, slots] = k[0].transpose(0, 1).to(self.k.dtype)  # [N, kv_heads, d]
             self.v[layer, slots] = v[0].transpose(0, 1).to(self.v.dtype)
+        self.slot_epoch[slots] = self.epoch
 
     def gather(self, req_to_token: Tensor, req_pool_indices: Tensor, lengths: Tensor) -> GatheredContext:
         """Context of each request's first lengths[b] tokens, right-padded to the longest (padding is masked)."""
@@ -63,4 +76,8 @@ class DraftContextPool:
         slots = req_to_token[req_pool_indices.long(), :width].long().clamp(0, self.num_slots - 1)  # [B, S]
         k = [self.k[layer][slots].transpose(1, 2) for layer in range(self.k.shape[0])]
         v = [self.v[layer][slots].transpose(1, 2) for layer in range(self.v.shape[0])]
-        return GatheredContext(lengths.long(), k, v)
+        stale = None
+        if self.epoch:
+            written = torch.arange(width, device=slots.device)[None] < lengths.long()[:, None]
+            stale = ((self.slot_epoch[slots] != self.epoch) & written).any(1)
+        return GatheredContext(lengths.long(), k, v, stale)

@@ -84,6 +84,14 @@ class VerifyPlanner:
             planner.save_path = Path(path)
         return planner
 
+    def use_release(self, sts: list[float] | None, sps: SpsTable | None) -> None:
+        """A live draft update (weights.py): its STS temperatures or none (the old ones were fitted to the old
+        draft), and its SPS table if it brings one (else the engine's stays: SPS is the target's and hardware's)."""
+        self.temperatures = None if sts is None else torch.tensor(sts, dtype=torch.float64)
+        if sps is not None:
+            self.sps = sps.smoothed()
+            self.profiled_buckets = {1 << i for i in range(31)}
+
     def needs_profile(self, batch_size: int) -> bool:
         return self.policy == "confidence" and size_bucket(batch_size) not in self.profiled_buckets
 

@@ -19,6 +19,11 @@ PLUGIN_NAME = "dspark"  # the entry-point name SGLANG_PLUGINS matches
 WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2"
 ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
 SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
+# Live draft updates (weights.py): a DSpark draft folder sent to /update_weights_from_disk loads into the draft only,
+# and does not rename the served model.
+DISK_UPDATE_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
+                      "update_weights_from_disk")
+MODEL_PATH_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._update_model_path_info"
 
 
 def _announce(message: str) -> None:
@@ -52,10 +57,13 @@ def load() -> None:
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
+    from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
 
     register_capture_hooks()  # training capture; a no-op unless the model override asks for it
     register_mla_draft_config()
+    HookRegistry.register(DISK_UPDATE_TARGET, route_disk_update, HookType.AROUND)
+    HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
         HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)

@@ -41,6 +41,8 @@ from torch import Tensor
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.traffic import TrafficRecorder
+from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
 from dspark_sgl.speculative.accept import Acceptance, block_accept, greedy_accept, rejection_accept
 from dspark_sgl.speculative.markov import Proposal, rollout
 from dspark_sgl.speculative.sampling import draft_probs
@@ -84,6 +86,8 @@ class DSparkWorker(BaseSpecWorker):
         self.block_pos_offsets = torch.arange(self.verify_width, device=self.device)
         self.context: DraftContextPool | None = None  # sized in alloc_memory_pool, once SGLang's pool exists
         self.planner = VerifyPlanner.from_server_args(spec, self.draft)
+        self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context)
+        self.traffic = TrafficRecorder.from_server_args()
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
             "%s verify schedule",
@@ -117,7 +121,12 @@ class DSparkWorker(BaseSpecWorker):
         self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.model_runner.dtype)
 
     def dump_info_records(self) -> dict:
-        return self.planner.info()
+        info = self.planner.info()
+        info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
+        if self.traffic is not None:
+            self.traffic.sweep()
+            info["traffic"] = self.traffic.info()
+        return info
 
     def clear_info_records(self) -> None:
         self.planner.clear()
@@ -131,8 +140,31 @@ class DSparkWorker(BaseSpecWorker):
     def get_confidence_budget_prepare(self):
         return None
 
+    # ---- live draft updates and traffic recording (weights.py, traffic.py) -----------------------------------
+    def weight_update_runners(self) -> list:
+        """SGLang's selector `draft` / `all` reaches our draft through this runner (the builtin returns its own)."""
+        return [("draft", DraftRunner(self.updates))]
+
+    def _install_draft(self, release: Release) -> None:
+        """Between scheduler steps: the new draft serves the next step whole; older context is marked stale."""
+        self.draft = release.draft
+        self.context.new_epoch(release.draft)
+        self.planner.use_release(release.sts, release.sps)
+
+    def _invalidate_context(self) -> None:
+        self.context.new_epoch(self.draft)
+
+    def _cap_stale(self, lengths, stale):
+        """Requests whose context predates the last swap verify the anchor alone (plain decoding)."""
+        if stale is None:
+            return lengths
+        self.updates.record.stale_rows += int(stale.sum())
+        return torch.where(stale, torch.ones_like(lengths), lengths)
+
     # ---- one scheduler step ---------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, *, pp_proxy_tensors=None):
+        if self.traffic is not None:
+            self.traffic.observe(batch.reqs)
         if batch.forward_mode.is_idle():
             return self._idle_result(on_publish)
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
@@ -178,7 +210,8 @@ class DSparkWorker(BaseSpecWorker):
         lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
             lengths = torch.full_like(lengths, W)
-        w = int(lengths.max())  # the target runs the longest scheduled prefix of every request
+        lengths = self._cap_stale(lengths, ctx.stale)
+        w = W if batch.return_logprob else int(lengths.max())  # the longest scheduled prefix of every request
         window = self._window(batch, draft_input, w)
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
         target_logits = logits_output.next_token_logits  # [bs·w, V], penalties/logit-bias applied

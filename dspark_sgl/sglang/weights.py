@@ -1,0 +1,336 @@
+"""Live draft updates: SGLang's own weight-update endpoints reach this worker's draft, validated and swapped whole.
+
+SGLang 0.5.23 routes `/update_weights_from_tensor`, `/update_weights_from_distributed` (after
+`/init_weights_update_group`) and `/begin_weight_update` to the runners its `selector` names (`target`, `draft` or
+`all`), asking each spec worker for them through `weight_update_runners()`. The builtin DSPARK/DFLASH workers answer
+with a SGLang ModelRunner; ours has no draft runner (the draft is a plain torch module), so `DraftRunner` answers the
+same calls. `/update_weights_from_disk` has no selector in 0.5.23 and loads every runner from the same folder: the
+plugin's `route_disk_update` sends a folder that holds a DSpark draft to the draft alone (the target loader would
+otherwise read draft tensors as its own) and leaves every other folder to SGLang.
+
+An update is validated like a start-up load (same config as the serving draft except the STS temperatures, every
+tensor present with its shape, floating dtype, no NaN/inf) into a complete new draft module before anything changes;
+a refused update returns one message naming the problem and the old draft keeps serving. Requests for these
+endpoints are handled by the scheduler between forward steps, so the swap (one reference assignment) is atomic: no
+step mixes old and new weights. Tensor/distributed updates may arrive in several calls of one
+begin/end session; they are staged and installed by the call that completes the set (`dspark_meta.*` tensors, if
+any, must come first), and an incomplete session is dropped at `end_weight_update`.
+
+Context K/V written by the old draft is stale after a swap; `DraftContextPool.new_epoch` marks it, and requests that
+still read some verify the anchor alone (plain decoding, so output is the target's) until they finish. STS
+temperatures and an SPS table travel with the draft: the folder's config/sts.json/sps.json, or `dspark_meta.sts` /
+`dspark_meta.sps` tensors. Without an SPS table the engine keeps the one it measured (SPS is a property of the target
+and hardware); without STS the new draft's raw confidences are used (the old temperatures were fitted to the old
+draft). The release version/step (`publish.json` in the folder, or `dspark_meta.release`) shows in `/server_info`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dspark_sgl.config import ConfigError, DSparkConfig
+from dspark_sgl.model.checkpoint import CheckpointError, canonical_name, check_state_dict, read_state_dict
+from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.speculative.sps import SpsTable
+
+logger = logging.getLogger(__name__)
+META = "dspark_meta."  # tensor-name prefix of the non-weight parts of an update
+RELEASE_FILE = "publish.json"  # {"version": ..., "step": ...} written by training/publish.py
+SPS_FILE = "sps.json"
+TARGET_CHANGED = "target weights changed"
+
+
+class UpdateRefused(ValueError):
+    """A draft update that would not load at start-up either."""
+
+
+@dataclass
+class Release:
+    """A validated draft, ready to install."""
+
+    draft: DSparkDraft
+    sts: list[float] | None
+    sps: SpsTable | None
+    version: str | None
+    step: int | None
+    source: str
+
+
+# ---- validation (pure torch: the unit tests run it without sglang) ------------------------------------------
+def _structure(config: DSparkConfig) -> dict:
+    d = config.to_dict()
+    d.pop("sts_temperatures", None)
+    return d
+
+
+def check_config(serving: DSparkConfig, update: DSparkConfig) -> None:
+    """The update must describe the serving draft exactly (STS temperatures may differ)."""
+    a, b = _structure(serving), _structure(update)
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: serving {a.get(k)!r} vs update {b.get(k)!r}" for k in diff[:4])
+        raise UpdateRefused(f"draft update config differs from the serving draft in {diff}: {shown}")
+
+
+def check_dtypes(state: dict[str, Tensor]) -> None:
+    bad = sorted(f"{k} ({t.dtype})" for k, t in state.items() if not t.is_floating_point())
+    if bad:
+        raise UpdateRefused(f"draft update has non-floating tensors {bad[:6]}; weights must be float32/bf16/fp16")
+
+
+def build_release(serving: DSparkDraft, config: DSparkConfig, state: dict[str, Tensor], sts: list[float] | None,
+                  sps: SpsTable | None, version: str | None, step: int | None, source: str) -> Release:
+    """Validate a complete update and build the new draft beside the serving one (nothing serving changes)."""
+    check_config(serving.config, config)
+    if sts is not None:
+        if len(sts) != config.block_size or not all(float(t) > 0 for t in sts):
+            raise UpdateRefused(f"STS temperatures {sts} must be {config.block_size} positive numbers")
+        config.sts_temperatures = [float(t) for t in sts]
+    with torch.device("meta"):
+        draft = DSparkDraft(config)
+    check_dtypes(state)
+    try:
+        check_state_dict(draft, state)
+    except CheckpointError as e:
+        raise UpdateRefused(str(e)) from None
+    ref = serving.fc.weight
+    draft.load_state_dict({k: t.to(ref.dtype) for k, t in state.items()}, assign=True)
+    draft = draft.to(device=ref.device, dtype=ref.dtype).eval()
+    if serving._target is not None:
+        draft.bind_target(serving.target.embed_tokens, serving.target.lm_head)
+    return Release(draft, config.sts_temperatures, sps, version, step, source)
+
+
+def read_folder(serving: DSparkDraft, path: str | Path) -> Release:
+    """An exported draft folder (config.json, *.safetensors, optional sts.json / sps.json / publish.json)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UpdateRefused(f"draft update path {folder} is not a folder")
+    try:
+        config = DSparkConfig.from_pretrained(folder)
+        state = read_state_dict(folder)
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:
+        raise UpdateRefused(f"draft update {folder}: {e}") from None
+    sts = config.sts_temperatures
+    if (folder / "sts.json").exists() and sts is None:
+        sts = json.loads((folder / "sts.json").read_text())["temperatures"]
+    sps = SpsTable.load(folder / SPS_FILE) if (folder / SPS_FILE).exists() else None
+    rel = json.loads((folder / RELEASE_FILE).read_text()) if (folder / RELEASE_FILE).exists() else {}
+    return build_release(serving, config, state, sts, sps, rel.get("version"), rel.get("step"), f"disk:{folder}")
+
+
+def is_draft_folder(path: str | Path) -> bool:
+    """A folder whose config.json describes a DSpark/DFlash draft (not a target model)."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    archs = " ".join(raw.get("architectures") or [])
+    return "dspark_config" in raw or "dflash_config" in raw or "DSpark" in archs or "DFlash" in archs
+
+
+# ---- the tensor form (same-host IPC or a distributed broadcast) --------------------------------------------
+def _json_tensor(obj) -> Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+def _tensor_json(t: Tensor):
+    return json.loads(bytes(t.to(torch.uint8).cpu().tolist()).decode())
+
+
+def named_tensors(draft: DSparkDraft, version: str | None = None, step: int | None = None,
+                  sps: SpsTable | None = None) -> list[tuple[str, Tensor]]:
+    """A draft as the (name, tensor) list `/update_weights_from_tensor` carries: the `dspark_meta.*` entries first
+    (config, STS, SPS, release), then every weight under the names the checkpoint uses."""
+    out = [(META + "config", _json_tensor(draft.config.to_dict())),
+           (META + "release", _json_tensor({"version": version, "step": step}))]
+    if draft.config.sts_temperatures is not None:
+        out.append((META + "sts", torch.tensor(draft.config.sts_temperatures, dtype=torch.float64)))
+    if sps is not None:
+        out.append((META + "sps", _json_tensor(sps.to_dict())))
+    out += [(k, v.detach().contiguous().cpu()) for k, v in draft.state_dict().items()]
+    return out
+
+
+@dataclass
+class Staging:
+    """The parts of one tensor/distributed update received so far."""
+
+    state: dict[str, Tensor] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def add(self, items, expected: dict[str, torch.Size]) -> None:
+        for name, t in items:
+            if hasattr(t, "get") and not isinstance(t, Tensor):  # SGLang's LocalSerializedTensor (one entry per rank)
+                from sglang.srt.runtime_context import get_parallel
+
+                t = t.get(get_parallel().tp_rank)
+            if name.startswith(META):
+                key = name[len(META):]
+                self.meta[key] = t.tolist() if key == "sts" else _tensor_json(t)
+                continue
+            canon = canonical_name(name)
+            if canon is None:
+                continue
+            if canon not in expected:
+                raise UpdateRefused(f"draft update has an unexpected tensor {name!r}")
+            self.state[canon] = t.detach().clone()
+
+    def complete(self, expected: dict[str, torch.Size]) -> bool:
+        return set(self.state) >= set(expected)
+
+    def release(self, serving: DSparkDraft, source: str) -> Release:
+        try:
+            config = (DSparkConfig.from_dict(self.meta["config"]) if "config" in self.meta
+                      else DSparkConfig.from_dict(serving.config.to_dict()))
+        except ConfigError as e:
+            raise UpdateRefused(f"draft update config: {e}") from None
+        sps = SpsTable.from_dict(self.meta["sps"]) if "sps" in self.meta else None
+        rel = self.meta.get("release") or {}
+        return build_release(serving, config, self.state, self.meta.get("sts"), sps, rel.get("version"),
+                             rel.get("step"), source)
+
+
+# ---- what SGLang's SchedulerWeightUpdaterManager drives ----------------------------------------------------
+@dataclass
+class UpdateRecord:
+    """The `draft_update` entry of `/server_info` -> internal_states[0].dspark_info_record."""
+
+    version: str | None = None
+    step: int | None = None
+    source: str = "start-up"
+    swaps: int = 0
+    refused: int = 0
+    last_swap_ms: float | None = None
+    last_error: str | None = None
+    stale_rows: int = 0  # request-steps verified plain because their context predates the swap
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DraftUpdater:
+    """`runner.weight_updater` for the ("draft", runner) pair. Every call returns (success, message) and never
+    raises: an exception here would end the scheduler."""
+
+    def __init__(self, get_draft, install, invalidate):
+        self._get_draft, self._install, self._invalidate = get_draft, install, invalidate
+        self.record = UpdateRecord()
+        self._staging: Staging | None = None
+
+    def _expected(self) -> dict[str, torch.Size]:
+        return {k: v.shape for k, v in self._get_draft().state_dict().items()}
+
+    def _swap(self, make) -> tuple[bool, str]:
+        t0 = time.perf_counter()
+        try:
+            release = make()
+        except (UpdateRefused, ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
+            self.record.refused += 1
+            self.record.last_error = str(e)
+            logger.error("dspark-sgl draft update refused, the current draft keeps serving: %s", e)
+            return False, f"draft update refused (the current draft keeps serving): {e}"
+        self._install(release)
+        ms = (time.perf_counter() - t0) * 1e3
+        r = self.record
+        r.version, r.step, r.source, r.last_swap_ms = release.version, release.step, release.source, ms
+        r.swaps, r.last_error = r.swaps + 1, None
+        logger.info("dspark-sgl draft updated to version %s (step %s) from %s in %.1f ms", r.version, r.step,
+                    r.source, ms)
+        return True, f"draft updated to version {r.version} (step {r.step}) in {ms:.1f} ms"
+
+    # disk
+    def update_weights_from_disk(self, model_path: str, load_format=None, recapture_cuda_graph: bool = False,
+                                 **_unused) -> tuple[bool, str]:
+        if not is_draft_folder(model_path):  # `all` with a target folder: the target changed, our context too
+            self._invalidate()
+            return True, f"draft unchanged ({TARGET_CHANGED}; its old context is no longer read)"
+        return self._swap(lambda: read_folder(self._get_draft(), model_path))
+
+    # sessions: tensor and distributed
+    def begin_weight_update(self) -> None:
+        self._staging = Staging()
+
+    def end_weight_update(self, run_post_load: bool = False) -> None:
+        if self._staging is not None and (self._staging.state or self._staging.meta):
+            missing = sorted(set(self._expected()) - set(self._staging.state))
+            logger.error("dspark-sgl draft update session ended incomplete (missing %s); dropped", missing[:6])
+            self.record.refused += 1
+            self.record.last_error = f"session ended without tensors {missing[:6]}"
+        self._staging = None
+
+    def _stage(self, items, source: str) -> tuple[bool, str]:
+        if self._staging is None:
+            self._staging = Staging()
+        expected = self._expected()
+        try:
+            self._staging.add(items, expected)
+        except (UpdateRefused, ValueError) as e:
+            self._staging = Staging()
+            self.record.refused += 1
+            self.record.last_error = str(e)
+            return False, f"draft update refused (the current draft keeps serving): {e}"
+        if not self._staging.complete(expected):
+            n = len(self._staging.state)
+            return True, f"draft update staged {n}/{len(expected)} tensors; it is installed when all have arrived"
+        staging, self._staging = self._staging, Staging()
+        return self._swap(lambda: staging.release(self._get_draft(), source))
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, **_unused) -> tuple[bool, str]:
+        if load_format not in (None, "direct"):
+            return False, f"draft update: load_format {load_format!r} is not supported for the DSpark draft"
+        return self._stage(named_tensors, "tensor")
+
+    def load_weights_from_distributed(self, named_tensors) -> tuple[bool, str]:
+        return self._stage(named_tensors, "distributed")
+
+    def update_weights_from_ipc(self, recv_req) -> tuple[bool, str]:  # checkpoint-engine: target weights only
+        self._invalidate()
+        return True, f"draft unchanged ({TARGET_CHANGED}; its old context is no longer read)"
+
+
+class DraftRunner:
+    """The object SGLang expects in `weight_update_runners()`: `.weight_updater` plus `check_weights`."""
+
+    def __init__(self, updater: DraftUpdater):
+        self.weight_updater = updater
+
+    def check_weights(self, action=None, allow_quant_error=False, skip_tensor_list=None, role="draft"):
+        return None  # no checksum payload for the draft
+
+
+# ---- plugin hooks (sglang imported lazily) -----------------------------------------------------------------
+def route_disk_update(original, manager, recv_req):
+    """AROUND SchedulerWeightUpdaterManager.update_weights_from_disk: a DSpark draft folder goes to the draft only."""
+    if not is_draft_folder(recv_req.model_path):
+        return original(manager, recv_req)
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput
+
+    runners = manager._select_runners("draft")
+    if not runners:
+        msg = f"{recv_req.model_path} holds a DSpark draft but this server runs no draft; nothing was loaded"
+        return UpdateWeightFromDiskReqOutput(success=False, message=msg, num_paused_requests=0)
+    with manager._observe_weight_load("disk"):
+        ok, msg = True, ""
+        for _, runner in runners:
+            ok, msg = runner.weight_updater.update_weights_from_disk(recv_req.model_path, recv_req.load_format)
+            if not ok:
+                break
+    if ok:
+        manager.record_weight_version_after_update(recv_req.weight_version)
+    return UpdateWeightFromDiskReqOutput(success=ok, message=msg, num_paused_requests=0)
+
+
+def keep_served_model_path(original, tokenizer_manager, model_path, load_format):
+    """AROUND TokenizerManager._update_model_path_info: a draft update does not rename the served (target) model."""
+    if is_draft_folder(model_path):
+        return None
+    return original(tokenizer_manager, model_path, load_format)

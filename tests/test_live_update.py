@@ -1,0 +1,279 @@
+"""Live draft updates without a server: validation, staging, the whole-module swap, stale context, traffic records,
+and the trainer's publisher against a stand-in HTTP server. The real-SGLang run is tests/test_sglang_live_update.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_sgl.model.checkpoint import WEIGHTS_FILE, save_draft
+from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.sglang.context import DraftContextPool
+from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.traffic import TrafficConfig, TrafficRecorder
+from dspark_sgl.sglang.weights import DraftUpdater, is_draft_folder, named_tensors
+from dspark_sgl.speculative.sps import SpsTable
+from tests.conftest import tiny_draft_config
+from training.data import read_cache
+from training.publish import PublishConfig, Publisher
+from training.recipe import RecipeError, load_recipe
+
+
+def make_draft(seed: int, **over) -> DSparkDraft:
+    torch.manual_seed(seed)
+    c = tiny_draft_config(**over)
+    heads = (torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size))
+    return DSparkDraft(c).eval().bind_target(*heads)
+
+
+def snapshot(draft: DSparkDraft) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in draft.state_dict().items()}
+
+
+class Host:
+    """What the worker gives the updater: the serving draft, install and invalidate."""
+
+    def __init__(self, draft: DSparkDraft):
+        self.draft, self.installed, self.invalidated = draft, [], 0
+        self.updater = DraftUpdater(lambda: self.draft, self.install, self.invalidate)
+
+    def install(self, release) -> None:
+        self.installed.append(release)
+        self.draft = release.draft
+
+    def invalidate(self) -> None:
+        self.invalidated += 1
+
+
+@pytest.fixture
+def host() -> Host:
+    return Host(make_draft(0))
+
+
+def test_disk_update_installs_a_whole_new_draft_with_its_sts_sps_and_version(host, tmp_path):
+    old, before = host.draft, snapshot(host.draft)
+    new = make_draft(1)
+    new.config.sts_temperatures = [1.5, 1.2, 1.1, 1.0]
+    save_draft(new, tmp_path / "d")
+    SpsTable([1, 2, 4], [50.0, 40.0, 20.0]).save(tmp_path / "d" / "sps.json")
+    (tmp_path / "d" / "publish.json").write_text(json.dumps({"version": "step-7", "step": 7}))
+
+    ok, msg = host.updater.update_weights_from_disk(str(tmp_path / "d"), "auto")
+    assert ok, msg
+    rel = host.installed[-1]
+    assert host.draft is rel.draft and host.draft is not old
+    for k, v in new.state_dict().items():
+        assert torch.equal(host.draft.state_dict()[k], v), k
+    for k, v in before.items():  # the old module is untouched: a step still holding it ran on old weights only
+        assert torch.equal(old.state_dict()[k], v), k
+    assert rel.sts == [1.5, 1.2, 1.1, 1.0] and rel.sps.tokens == [1, 2, 4]
+    assert host.draft.target.lm_head is old.target.lm_head  # the target's heads stay shared
+    r = host.updater.record
+    assert (r.version, r.step, r.swaps, r.refused) == ("step-7", 7, 1, 0)
+    assert r.source.startswith("disk:") and r.last_swap_ms > 0
+
+
+def _corrupt(kind: str, folder):
+    if kind == "config":  # a different draft shape altogether
+        save_draft(make_draft(1, intermediate_size=96), folder)
+        return "intermediate_size"
+    save_draft(make_draft(1), folder)
+    state = load_file(str(folder / WEIGHTS_FILE))
+    if kind == "nan":
+        state["fc.weight"][0, 0] = float("nan")
+        expect = "NaN/inf in: ['fc.weight']"
+    elif kind == "shape":
+        state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()
+        expect = "mis-shaped tensors"
+    elif kind == "missing":
+        del state["norm.weight"]
+        expect = "missing tensors: ['norm.weight']"
+    else:  # dtype
+        state["norm.weight"] = state["norm.weight"].to(torch.int32)
+        expect = "non-floating tensors ['norm.weight (torch.int32)']"
+    save_file(state, str(folder / WEIGHTS_FILE))
+    return expect
+
+
+@pytest.mark.parametrize("kind", ["nan", "shape", "missing", "dtype", "config"])
+def test_bad_disk_update_is_refused_and_the_old_draft_keeps_serving(host, tmp_path, kind):
+    old, before = host.draft, snapshot(host.draft)
+    expect = _corrupt(kind, tmp_path / "bad")
+    ok, msg = host.updater.update_weights_from_disk(str(tmp_path / "bad"), "auto")
+    assert not ok and "refused" in msg and expect in msg, msg
+    assert host.draft is old and not host.installed
+    for k, v in before.items():
+        assert torch.equal(old.state_dict()[k], v)
+    assert host.updater.record.refused == 1 and host.updater.record.swaps == 0
+
+
+def test_target_folder_leaves_the_draft_but_marks_its_context_stale(host, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert not is_draft_folder(tmp_path / "t")
+    ok, _ = host.updater.update_weights_from_disk(str(tmp_path / "t"), "auto")
+    assert ok and not host.installed and host.invalidated == 1
+
+
+def test_tensor_session_installs_only_when_complete(host):
+    new = make_draft(2)
+    items = named_tensors(new, version="v2", step=2)
+    assert items[0][0] == "dspark_meta.config"
+    half = len(items) // 2
+    host.updater.begin_weight_update()
+    ok, msg = host.updater.update_weights_from_tensor(items[:half])
+    assert ok and "staged" in msg and not host.installed
+    ok, msg = host.updater.update_weights_from_tensor(items[half:])
+    host.updater.end_weight_update(run_post_load=False)
+    assert ok and len(host.installed) == 1, msg
+    assert torch.equal(host.draft.fc.weight, new.fc.weight)
+    assert (host.updater.record.version, host.updater.record.source) == ("v2", "tensor")
+
+
+def test_tensor_updates_refused_by_name_nan_and_incomplete_session(host):
+    old = host.draft
+    items = named_tensors(make_draft(3))
+    bad = [(n, torch.full_like(t, float("nan")) if n == "norm.weight" else t) for n, t in items]
+    host.updater.begin_weight_update()
+    ok, msg = host.updater.load_weights_from_distributed(bad)
+    host.updater.end_weight_update(run_post_load=False)
+    assert not ok and "NaN/inf in: ['norm.weight']" in msg
+    host.updater.begin_weight_update()
+    ok, msg = host.updater.update_weights_from_tensor([("layers.9.mlp.up_proj.weight", torch.zeros(2))])
+    assert not ok and "unexpected tensor 'layers.9.mlp.up_proj.weight'" in msg
+    host.updater.begin_weight_update()
+    ok, _ = host.updater.update_weights_from_tensor(items[:3])
+    host.updater.end_weight_update(run_post_load=False)  # incomplete: dropped, nothing installed
+    assert ok and host.draft is old and not host.installed
+    assert host.updater.record.refused == 3 and "session ended without" in host.updater.record.last_error
+
+
+def test_context_written_before_a_swap_is_reported_stale():
+    draft = make_draft(0)
+    pool = DraftContextPool(draft, num_slots=16, device="cpu", dtype=torch.float32)
+    aux = torch.randn(6, draft.config.num_aux * draft.config.hidden_size)
+    req_to_token = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 6]])
+    pool.write(torch.tensor([0, 1, 3, 4, 5]), aux[:5], torch.tensor([0, 1, 0, 1, 2]))
+    lengths = torch.tensor([2, 3])
+    assert pool.gather(req_to_token, torch.tensor([0, 1]), lengths).stale is None  # no swap yet: nothing to check
+    new = make_draft(1)
+    pool.new_epoch(new)
+    assert pool.draft is new
+    stale = pool.gather(req_to_token, torch.tensor([0, 1]), lengths).stale
+    assert stale.tolist() == [True, True]
+    pool.write(torch.tensor([0, 1, 2]), aux[:3], torch.tensor([0, 1, 2]))  # request 0 rebuilt by the new draft
+    stale = pool.gather(req_to_token, torch.tensor([0, 1]), torch.tensor([3, 3])).stale
+    assert stale.tolist() == [False, True]
+    # only the first `lengths` slots count: an old slot beyond them is not read
+    assert pool.gather(req_to_token[:1], torch.tensor([0]), torch.tensor([3])).stale.tolist() == [False]
+
+
+def test_planner_takes_the_release_sts_and_keeps_a_measured_sps():
+    p = VerifyPlanner("confidence", 4, torch.tensor([2.0] * 4, dtype=torch.float64))
+    p.add_profile(1, {1: 30.0, 2: 25.0})
+    measured = p.sps
+    p.use_release(None, None)
+    assert p.temperatures is None and p.sps is measured
+    p.use_release([1.0, 1.1, 1.2, 1.3], SpsTable([1, 2], [9.0, 8.0]))
+    assert p.temperatures.tolist() == [1.0, 1.1, 1.2, 1.3] and p.sps.tokens == [1, 2]
+    assert not p.needs_profile(8)
+
+
+def _req(prompt, out, finished=True, rid="r", reason=None):
+    return SimpleNamespace(origin_input_ids=prompt, output_ids=out, rid=rid, finished=lambda: finished,
+                           finished_reason=reason)
+
+
+def test_traffic_records_trainer_samples_with_rate_budget_and_no_pii_by_default(tmp_path):
+    rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path), sample_rate=1.0))
+    running = _req([1, 2, 3], [4], finished=False)
+    aborted = _req([7], [8, 9], reason=type("FINISH_ABORT", (), {})())
+    rec.observe([_req([1, 2, 3], [4, 5, 6], rid="secret"), running, aborted])
+    rec.sweep()
+    samples = read_cache(tmp_path / "samples.jsonl")
+    assert list(samples) == [0] and samples[0].input_ids == [1, 2, 3, 4, 5, 6]
+    assert samples[0].loss_mask == [False, False, False, True, True, True]
+    assert "secret" not in (tmp_path / "samples.jsonl").read_text()
+    assert rec.info()["recorded"] == 1 and rec.info()["skipped"] == 1 and len(rec.live) == 1
+
+    half = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "h"), sample_rate=0.5, seed=3))
+    half.observe([_req([1], [2, 3], rid=str(i)) for i in range(200)])
+    half.sweep()
+    assert 70 < half.recorded < 130 and half.recorded + half.skipped == 200
+
+    small = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "s"), max_bytes=400, include_pii=True))
+    small.observe([_req([1] * 10, [2] * 10, rid=f"id{i}") for i in range(5)])
+    small.sweep()
+    assert small.full and small.recorded >= 1 and small.recorded < 5 and small.bytes <= 400
+    assert "id0" in (tmp_path / "s" / "samples.jsonl").read_text()
+    again = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))  # a restart continues the ids
+    assert again.next_id == 1
+
+
+@pytest.mark.parametrize("bad, msg", [({"dir": "x", "sample_rate": 2}, "sample_rate=2 must be in [0, 1]"),
+                                      ({"dir": "x", "max_bytes": 0}, "max_bytes=0 must be > 0"),
+                                      ({"sample_rate": 1}, "at least 'dir'"),
+                                      ({"dir": "x", "rate": 1}, "unknown dspark_traffic key(s) ['rate']")])
+def test_traffic_config_errors_name_the_value(bad, msg):
+    with pytest.raises(ValueError) as e:
+        TrafficConfig.from_dict(bad)
+    assert msg in str(e.value)
+
+
+def test_publish_recipe_keys():
+    r = load_recipe(None, ["publish.every_steps=5", "publish.url=http://127.0.0.1:30000"])
+    assert r.publish.url == ["http://127.0.0.1:30000"] and r.publish.due(10) and not r.publish.due(7)
+    with pytest.raises(RecipeError, match="publish.url lists no server"):
+        load_recipe(None, ["publish.every_steps=5"])
+    with pytest.raises(RecipeError, match="must be http://host:port"):
+        load_recipe(None, ["publish.every_steps=5", "publish.url=[localhost:1]"])
+    assert not load_recipe(None, []).publish.due(5)
+
+
+class _Fake(BaseHTTPRequestHandler):
+    calls: list = []
+    refuse = False
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        self.calls.append((self.path, body))
+        ok = not (self.refuse and self.path == "/update_weights_from_disk")
+        self.send_response(200 if ok else 400)
+        self.end_headers()
+        self.wfile.write(json.dumps({"success": ok, "message": "fine" if ok else "refused: NaN"}).encode())
+
+    def log_message(self, *a):
+        pass
+
+
+def test_publisher_pauses_updates_continues_and_journals(tmp_path):
+    server = HTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        pub = Publisher(PublishConfig(every_steps=1, url=[url], keep=1), tmp_path, log=lambda m: None)
+        for step in (1, 2):
+            folder = pub.folder(step)
+            save_draft(make_draft(step), folder)
+            res = pub.publish(folder, step)
+            assert res[0]["success"] and res[0]["version"] == f"step-{step}"
+        assert [p for p, _ in _Fake.calls[:3]] == ["/pause_generation", "/update_weights_from_disk",
+                                                   "/continue_generation"]
+        assert _Fake.calls[0][1] == {"mode": "in_place"}
+        assert _Fake.calls[1][1]["model_path"] == str(pub.folder(1).resolve())
+        assert json.loads((pub.folder(2) / "publish.json").read_text()) == {"version": "step-2", "step": 2}
+        assert not pub.folder(1).exists()  # keep=1
+        _Fake.refuse = True
+        save_draft(make_draft(3), pub.folder(3))
+        res = pub.publish(pub.folder(3), 3)
+        assert not res[0]["success"] and _Fake.calls[-1][0] == "/continue_generation"  # resumed after a refusal
+        lines = [json.loads(x) for x in (tmp_path / "publish.jsonl").read_text().splitlines()]
+        assert [x["success"] for x in lines] == [True, True, False]
+    finally:
+        server.shutdown()
