@@ -120,7 +120,7 @@ def test_trainer_publishes_twice_and_accept_length_rises_losslessly(live, ids, p
     outs, tau0, tps0 = measure(live, ids["fixed"], MAX_NEW)
     assert outs == plain["fixed"]
     report(f"random draft: accept length {tau0:.3f}, {tps0:.2f} tok/s, identical {len(outs)}/{len(outs)}")
-    assert record(live)["traffic"]["recorded"] == len(PROMPTS)  # the served requests became training samples
+    assert record(live)["traffic"]["recorded"] >= len(PROMPTS)  # served requests became training samples (+ warm-up)
 
     recipe = work["root"] / "train.yaml"
     recipe.write_text(RECIPE.format(traffic=work["traffic"], out=work["run"], url=live.url))

@@ -326,7 +326,21 @@ def route_disk_update(original, manager, recv_req):
                 break
     if ok:
         manager.record_weight_version_after_update(recv_req.weight_version)
+        n = evict_unused_prefixes(manager.scheduler)
+        msg += f"; {n} cached prefix tokens with old-draft context evicted"
     return UpdateWeightFromDiskReqOutput(success=ok, message=msg, num_paused_requests=0)
+
+
+def evict_unused_prefixes(scheduler) -> int:
+    """Evict every radix-cached prefix no running request holds: its draft context came from the old draft, and a
+    request reusing it would verify plain for its whole life. Prefixes of running requests stay (they are in use)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = getattr(scheduler, "tree_cache", None)
+    n = int(cache.evictable_size()) if cache is not None and hasattr(cache, "evictable_size") else 0
+    if n:
+        cache.evict(EvictParams(num_tokens=n))
+    return n
 
 
 def keep_served_model_path(original, tokenizer_manager, model_path, load_format):
