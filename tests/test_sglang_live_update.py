@@ -26,6 +26,7 @@ from dspark_testkit import REPO, Server, sglang_python  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # two servers and a trainer run; a busy shared box stretches start-up
     pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (.ci/install_sglang.sh VENV; "
                        "point DSPARK_SGL_VENV at it)"),
 ]
