@@ -29,6 +29,8 @@ OVERRIDE_KEY = "dspark_capture_last_hidden"
 CONVENTION = "dspark"  # SGLang's capture convention whose layer ids are layer OUTPUTS (tested against HFTarget)
 FORWARD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 INIT_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.__init__"
+ROWS_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+               "._append_prefill_hidden_states")
 
 
 class CaptureError(ValueError):
@@ -70,12 +72,37 @@ def _forward_around(original, processor, *args, **kwargs):
     return out
 
 
+def _rows_around(original, scheduler, *, req, logits_output, hidden_state_offset, capture_hidden_mode,
+                 extend_input_len, store=True):
+    """AROUND SchedulerBatchResultProcessor._append_prefill_hidden_states: a tagged capture request (its rid is a
+    `transport.Route`) hands its rows, still one tensor, to the tensor data plane on the writer rank (attn-TP rank 0)
+    and appends no lists; every other request goes through SGLang's own code."""
+    from dspark_sgl.sglang.transport import parse_rid, writer
+
+    route = parse_rid(getattr(req, "rid", None))
+    if route is None or not capture_hidden_mode.is_full():
+        return original(scheduler, req=req, logits_output=logits_output, hidden_state_offset=hidden_state_offset,
+                        capture_hidden_mode=capture_hidden_mode, extend_input_len=extend_input_len, store=store)
+    end = hidden_state_offset + extend_input_len
+    if store and req.return_hidden_states and is_writer_rank():
+        writer().deliver(route, logits_output.hidden_states[hidden_state_offset:end])
+    return end
+
+
+def is_writer_rank() -> bool:
+    """Attention-TP rank 0 of its DP group: the one rank of a replica that ships rows (every TP rank holds them)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_rank == 0
+
+
 def register_hooks() -> None:
     """Called from the plugin's load() in every SGLang process; the hooks only act in the scheduler's model."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(INIT_TARGET, _init_after, HookType.AFTER)
     HookRegistry.register(FORWARD_TARGET, _forward_around, HookType.AROUND)
+    HookRegistry.register(ROWS_TARGET, _rows_around, HookType.AROUND)
 
 
 # ---- the flags a capture server needs ---------------------------------------------------------------------------
@@ -170,3 +197,28 @@ def capture(engine_or_url: Any, token_id_lists: list[list[int]], num_aux: int, h
                                f"({' '.join(server_args(['<ids>']))})")
         result.append(split_rows(prompt_rows(hidden), len(ids), num_aux, hidden_size))
     return result
+
+
+def capture_to(engine_or_url: Any, token_id_lists: list[list[int]], rids: list[str], timeout: float = 600.0) -> None:
+    """Prefill-only capture whose rows go to the tensor data plane: each sample's request id is the rid of its
+    `transport.Route`; the engine's writer rank ships the rows there and the replies carry no hidden states."""
+    if not token_id_lists or any(len(ids) == 0 for ids in token_id_lists):
+        raise CaptureError("capture needs at least one sample and no empty sample")
+    if len(rids) != len(token_id_lists):
+        raise CaptureError(f"{len(token_id_lists)} samples but {len(rids)} request ids")
+    payload = {**_request(token_id_lists), "rid": list(rids)}
+    if isinstance(engine_or_url, str):
+        outs = _post(engine_or_url, payload, timeout)
+    else:
+        outs = engine_or_url.generate(**payload)
+        outs = outs if isinstance(outs, list) else [outs]
+    if len(outs) != len(token_id_lists):
+        raise CaptureError(f"capture sent {len(token_id_lists)} samples and got {len(outs)} replies")
+    for rid, out in zip(rids, outs, strict=True):
+        meta = out.get("meta_info", {})
+        reason = meta.get("finish_reason") or {}
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            raise CaptureError(f"the engine aborted capture request {rid}: {reason.get('message')}")
+        if prompt_rows(meta.get("hidden_states") or []):
+            raise CaptureError("a tagged capture came back as JSON lists: the engine does not run the dspark "
+                               "plugin's row hook (SGLANG_PLUGINS must include 'dspark')")
