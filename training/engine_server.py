@@ -67,7 +67,8 @@ def serve_engine(recipe, bind: str, local_rank: int = 0) -> None:
         args = None if e.sglang_url else capture_engine_args(
             str(resolve_target_path(recipe.target.path)), dtype_name(resolve_dtype(recipe.target.dtype, device)),
             dcfg.target_layer_ids, device, e.tp_size, recipe.train.seed, e.sglang_args)
-        capture = SGLangCapture(dcfg.num_aux, dcfg.hidden_size, engine_args=args, url=e.sglang_url)
+        capture = SGLangCapture(dcfg.num_aux, dcfg.hidden_size, engine_args=args, url=e.sglang_url,
+                                dtype=resolve_dtype(recipe.target.dtype, device))
         where = e.sglang_url or f"an in-process sglang.Engine on {device}"
     else:
         target = load_hf_target(recipe, dcfg.target_layer_ids, device)

@@ -73,6 +73,13 @@ class StreamConfig(Section):
     memory_cache_mb: float = 0.0  # keep captures in RAM for later epochs (small multi-epoch runs); 0 = off
 
 
+# ---- capture transport (issue 15): how hidden-state rows travel from an engine's writer rank to a trainer rank ----
+class TransportConfig(Section):
+    kind: Literal["zmq", "shm", "dist"] = "zmq"  # zmq: rows in the reply frames | shm: same-host ring | dist: pairs
+    host: str | None = None  # dist: this trainer rank's address the engines can reach (default: its host's IP)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # dist: auto = nccl when the trainer rank has a GPU, else gloo
+
+
 class OptimConfig(Section):
     lr: float = 6e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -122,6 +129,7 @@ class Recipe(Section):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -151,6 +159,12 @@ class Recipe(Section):
             raise RecipeError("train.global_batch and train.micro_batch must be >= 1")
         if self.stream.credits < 1:
             raise RecipeError("stream.credits must be >= 1")
+        if self.engine.placement == "disaggregated" and self.engine.replicas != len(self.engine.endpoints):
+            raise RecipeError(f"engine.replicas={self.engine.replicas} but {len(self.engine.endpoints)} "
+                              "engine.endpoints: list one tcp://host:port per target replica")
+        if self.transport.kind != "zmq" and self.engine.placement == "inprocess":
+            raise RecipeError(f"transport.kind={self.transport.kind} moves rows from an engine process: set "
+                              "engine.placement to colocated or disaggregated")
         return self
 
 

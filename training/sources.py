@@ -11,6 +11,7 @@ Every source returns the same `objective.Batch`, checked finite before the train
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from training.data import Sample, collate
 from training.engine_server import EngineSupervisor
 from training.objective import Batch
 from training.recipe import Recipe
-from training.stream import Request, StreamClient
+from training.stream import DistPlane, Request, ShmPlane, StreamClient
 from training.target import default_device, load_hf_target
 
 
@@ -75,6 +76,8 @@ class StreamSource:
             if f.aux.shape[0] != int(lengths[b]):
                 raise EngineError(f"engine returned {f.aux.shape[0]} rows for a {int(lengths[b])}-token sample")
             aux[b, : f.aux.shape[0]], last[b, : f.last.shape[0]] = f.aux, f.last
+        for k, _ in items:
+            self.client.release(k)  # copied out: a shm region goes back to the ring
         check_finite(aux, last, sids.tolist())
         return Batch(ids, mask, lengths, sids, aux, last).to(device)
 
@@ -82,6 +85,11 @@ class StreamSource:
         return self.client.pending_ids()
 
     def close(self) -> None:
+        led = self.client.ledger
+        twice = sorted(k for k, n in led.delivered.items() if n != 1)
+        print(f"[stream] ledger: {len(led.delivered)} keys delivered, {len(twice)} more than once {twice[:10]}, "
+              f"{led.resends} re-sent, {led.duplicates_dropped} duplicates dropped, "
+              f"{len(self.client.wanted)} still wanted", flush=True)
         self.client.close()
 
 
@@ -166,11 +174,27 @@ def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, 
     else:
         endpoints = e.endpoints
     dtype = DTYPES[recipe.stream.wire_dtype]
-    per_token = (dcfg.num_aux + 1) * dcfg.hidden_size * torch.tensor([], dtype=dtype).element_size()
+    plane = make_plane(recipe, device)
+    if plane is not None:  # raw model-dtype rows; `auto` may resolve differently on the engine: size for fp32
+        wire = DTYPES.get(recipe.target.dtype, torch.float32)
+        dtype = torch.float32 if recipe.target.dtype == "auto" else wire
+    per_token = (dcfg.num_aux + 1) * dcfg.hidden_size * dtype.itemsize
     client = StreamClient(endpoints, per_token, credits=recipe.stream.credits,
                           byte_budget=int(recipe.stream.byte_budget_mb * 2**20), timeout_s=recipe.stream.timeout_s,
-                          on_silence=procs[0].revive if procs else None)
+                          on_silence=procs[0].revive if procs else None, plane=plane, hidden_size=dcfg.hidden_size)
     return cached(recipe, StreamSource(client, pad_id, dtype)), procs, None
+
+
+def make_plane(recipe: Recipe, device: torch.device):
+    """The tensor data plane of `recipe.transport` for this rank (None: rows travel in the stream's frames)."""
+    t = recipe.transport
+    if t.kind == "shm":
+        return ShmPlane(int(recipe.stream.byte_budget_mb * 2**20))
+    if t.kind == "dist":
+        backend = t.backend if t.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        host = t.host or socket.gethostbyname(socket.gethostname())
+        return DistPlane(host, backend, recipe.stream.timeout_s, device=str(device))
+    return None
 
 
 def cached(recipe: Recipe, source):

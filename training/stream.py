@@ -117,12 +117,16 @@ def _answer(sock, capture, pending, dtype, pad_id) -> int:
         return len(pending)
     for b, (ident, sid, t, route) in enumerate(pending):
         n = len(t)
-        aux, last = out.aux[b, :n].to("cpu", dtype), out.last_hidden[b, :n].to("cpu", dtype)
         if route is None:
+            aux, last = out.aux[b, :n].to("cpu", dtype), out.last_hidden[b, :n].to("cpu", dtype)
             sock.send_multipart([ident, *encode_reply(sid, aux, last)], copy=False)
             continue
-        rows = torch.cat((aux, last), dim=1)
-        writer().deliver(route, rows)  # this process is the writer: one copy into the ring, or a queued send
+        rows = torch.cat((out.aux[b, :n], out.last_hidden[b, :n]), dim=1)  # raw model dtype, no wire cast
+        try:
+            writer().deliver(route, rows)  # this process is the writer: one copy into the ring, or a queued send
+        except Exception as e:
+            sock.send_multipart([ident, json.dumps({"sid": sid, "error": repr(e)}).encode()])
+            continue
         sock.send_multipart([ident, routed_reply(route, rows.shape, rows.dtype)])
     return len(pending)
 

@@ -18,6 +18,7 @@ last chunk's rows are returned, so either would come back with fewer rows than t
 from __future__ import annotations
 
 import json
+import logging
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 OVERRIDE_KEY = "dspark_capture_last_hidden"
+logger = logging.getLogger(__name__)
 CONVENTION = "dspark"  # SGLang's capture convention whose layer ids are layer OUTPUTS (tested against HFTarget)
 FORWARD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 INIT_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.__init__"
@@ -85,7 +87,10 @@ def _rows_around(original, scheduler, *, req, logits_output, hidden_state_offset
                         capture_hidden_mode=capture_hidden_mode, extend_input_len=extend_input_len, store=store)
     end = hidden_state_offset + extend_input_len
     if store and req.return_hidden_states and is_writer_rank():
-        writer().deliver(route, logits_output.hidden_states[hidden_state_offset:end])
+        try:
+            writer().deliver(route, logits_output.hidden_states[hidden_state_offset:end])
+        except Exception as e:  # never take the scheduler down for one capture: the trainer re-sends the key
+            logger.warning("dspark capture: rows of %s not delivered: %r", req.rid, e)
     return end
 
 

@@ -53,8 +53,11 @@ class SGLangCapture:
 
     Each row of the batch is sent unpadded (its attention-mask length); replies are padded back to [B, T, ·]."""
 
-    def __init__(self, num_aux: int, hidden: int, engine_args: dict[str, Any] | None = None, url: str | None = None):
+    def __init__(self, num_aux: int, hidden: int, engine_args: dict[str, Any] | None = None, url: str | None = None,
+                 dtype: torch.dtype | None = None):
         self.num_aux, self.hidden = num_aux, hidden
+        self.row_width = (num_aux + 1) * hidden  # rows of the tensor data plane: [aux | post-norm last]
+        self.dtype = dtype or getattr(torch, (engine_args or {}).get("dtype") or "float32")  # the model's dtype
         self.engine = None
         if url:
             self.handle = url
@@ -78,6 +81,12 @@ class SGLangCapture:
         for b, (n, c) in enumerate(zip(lengths, got, strict=True)):
             aux[b, :n], last[b, :n] = c.aux, c.last
         return TargetOutput(aux=aux, last_hidden=last, logits=None)
+
+    def capture_to(self, token_id_lists: list[list[int]], routes) -> None:
+        """Tagged capture: the engine's writer rank ships each sample's rows to its `transport.Route`."""
+        from dspark_sgl.sglang.capture import capture_to
+
+        capture_to(self.handle, token_id_lists, [r.rid for r in routes])
 
     def close(self) -> None:
         if self.engine is not None:

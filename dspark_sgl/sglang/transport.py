@@ -359,7 +359,11 @@ class Writer:
 
     def _write_shm(self, route: Route, rows: torch.Tensor) -> bool:
         if route.where not in self.rings:
-            mm = _map(route.where)
+            try:
+                mm = _map(route.where)
+            except FileNotFoundError:
+                raise TransportError(f"no shm ring {route.where!r} on this host: transport.kind=shm needs the engine "
+                                     "on the trainer rank's host (use transport.kind=dist across hosts)") from None
             self.rings[route.where] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
         buf = self.rings[route.where][1]
         stamp = buf[route.offset:route.offset + STAMP_BYTES].view(torch.int64).tolist()
