@@ -7,7 +7,9 @@ regions of re-sent keys are fenced; dist: the broken gloo pair is replaced and i
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -166,3 +168,19 @@ def test_ring_too_small_for_what_the_trainer_holds_is_one_error(endpoint):
     finally:
         client.close()
         engine.kill()
+
+
+# ---- the recipe ------------------------------------------------------------------------------------------------
+def test_recipe_transport_section_and_the_k3_topology():
+    from training.recipe import RecipeError, load_recipe
+
+    k3 = load_recipe(str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k3-dspark.yaml"))
+    assert (k3.transport.kind, k3.transport.backend) == ("dist", "nccl")
+    assert (k3.engine.replicas, k3.engine.tp_size, len(k3.engine.endpoints)) == (2, 8, 2)
+    assert (k3.train.world_size, k3.train.global_batch, k3.train.reshard_after_forward) == (16, 512, False)
+    with pytest.raises(RecipeError, match=re.escape("transport.kind must be zmq|shm|dist, got 'rdma'")):
+        load_recipe(None, ["transport.kind=rdma"])
+    with pytest.raises(RecipeError, match="transport.kind=shm moves rows from an engine process"):
+        load_recipe(None, ["transport.kind=shm"])
+    with pytest.raises(RecipeError, match="engine.replicas=2 but 1 engine.endpoints"):
+        load_recipe(None, ["engine.placement=disaggregated", "engine.endpoints=[tcp://a:1]", "engine.replicas=2"])

@@ -70,8 +70,9 @@ class StreamSource:
         self.submit(items)
         feats = [self.client.get(k) for k, _ in items]
         S = ids.shape[1]
-        aux = torch.zeros(len(items), S, feats[0].aux.shape[-1], dtype=self.dtype)
-        last = torch.zeros(len(items), S, feats[0].last.shape[-1], dtype=self.dtype)
+        where = feats[0].aux.device  # a dist plane over NCCL delivers on the rank's GPU: build the batch there
+        aux = torch.zeros(len(items), S, feats[0].aux.shape[-1], dtype=self.dtype, device=where)
+        last = torch.zeros(len(items), S, feats[0].last.shape[-1], dtype=self.dtype, device=where)
         for b, f in enumerate(feats):
             if f.aux.shape[0] != int(lengths[b]):
                 raise EngineError(f"engine returned {f.aux.shape[0]} rows for a {int(lengths[b])}-token sample")

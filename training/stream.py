@@ -371,7 +371,7 @@ class StreamClient:
                     self._receive(sock.recv_multipart(copy=True), e)
             if self.plane is not None:
                 self._arrive()
-                if self.ring_full and not self.inflight and sid not in self.ready:
+                if self.ring_full and not self.inflight and sid not in self.ready and not self.plane.ring.fenced:
                     raise StreamError(f"the shm ring ({self.plane.ring.size} B) cannot hold request {sid} besides "
                                       "the features the trainer holds; raise stream.byte_budget_mb")
             self._check_timeouts()

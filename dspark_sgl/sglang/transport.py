@@ -169,6 +169,11 @@ class ShmRing:
             self.live.popleft()
 
     @property
+    def fenced(self) -> bool:
+        """Some region of a re-sent key is waiting out its delay (space that will come back by itself)."""
+        return any(r[2] is not None and r[2] > time.monotonic() for r in self.live)
+
+    @property
     def bytes_live(self) -> int:
         return sum(r[1] for r in self.live if r[2] is None)
 
