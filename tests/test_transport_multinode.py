@@ -78,10 +78,40 @@ def start_node(recipe: Path, node: int, master_port: int, log: Path, resume: boo
                             start_new_session=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in their own sessions: a group kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
+    """SIGKILL a process we started and everything it started."""
+    for pid in [p.pid, *descendants(p.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     p.wait()
+
+
+def kill_worker(node: subprocess.Popen) -> None:
+    """SIGKILL the trainer rank (the training process) under a torchrun agent, not the agent."""
+    workers = [pid for pid in descendants(node.pid) if b"training" in Path(f"/proc/{pid}/cmdline").read_bytes()
+               and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert workers, "no trainer rank under the torchrun agent"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
 
 
 def wait_for(log: Path, pattern: str, procs, timeout: float = 400.0) -> None:
@@ -151,9 +181,10 @@ def test_two_nodes_on_loopback_survive_engine_and_trainer_kills_exactly(smollm2_
         time.sleep(2.0)
         engine[0] = start_engine(rec, eport, elog)
         wait_for(logs[0], rf"step 4/{STEPS}", nodes)
-        kill(nodes[1])  # trainer rank 1 (node 1) dies mid-run (in step 5)
-        time.sleep(2.0)
-        kill(nodes[0])  # and the job with it, as a cluster scheduler would end it (torchrun would wait 300 s)
+        kill_worker(nodes[1])  # trainer rank 1 (node 1) dies mid-run (in step 5)
+        time.sleep(5.0)
+        for p in nodes:  # and the job with it, as a cluster scheduler would end it (torchrun would wait 300 s)
+            kill(p)
         print("killed trainer node 1 during step 5", flush=True)
 
     try:
