@@ -5,8 +5,8 @@ per-token capture overhead over a plain prefill on a live SGLang engine.
   python benchmarks/capture_speed.py --engine        # + SGLang 0.5.23 on CPU with SmolLM2 (needs the sglang venv)
 
 Rows per sample are [n, W] in the model dtype: W = (K+1)·H. `json` is the path SGLang takes for
-return_hidden_states (tensor -> .tolist() -> JSON text -> parse -> tensor; SGLang also pickles the lists twice between
-its processes, not counted here, so this is a lower bound); `shm` is one copy into the trainer's ring plus the
+return_hidden_states (tensor -> .tolist() -> JSON text (orjson) -> parse -> tensor; SGLang also pickles the lists twice
+between its processes, not counted here); `shm` is one copy into the trainer's ring plus the
 trainer's read into its batch tensor; `gloo` is header + rows over a two-member gloo group on 127.0.0.1 between two
 processes (the cross-host transport; NCCL on GPUs). Prints a table, writes benchmarks/results/capture_speed.json.
 """
@@ -44,8 +44,14 @@ def timed(fn, reps: int) -> float:
 
 
 def json_path(rows: torch.Tensor) -> torch.Tensor:
-    text = json.dumps(rows.float().tolist())
-    return torch.tensor(json.loads(text), dtype=rows.dtype)
+    """tensor -> lists -> JSON -> lists -> tensor, with orjson when present (SGLang's HTTP server uses it)."""
+    try:
+        import orjson
+
+        dumps, loads = orjson.dumps, orjson.loads
+    except ImportError:
+        dumps, loads = json.dumps, json.loads
+    return torch.as_tensor(loads(dumps(rows.float().tolist())), dtype=rows.dtype)
 
 
 def shm_path(ring: ShmRing, w: Writer, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -155,10 +161,17 @@ def engine_overhead(samples: int, tokens: int, reps: int) -> dict:
             got += len(arrived)
             time.sleep(0.0005)
 
+    paths = (("plain", plain), ("json", via_json), ("shm", via_shm), ("gloo", via_gloo))
     try:
-        via_gloo()  # the pair's rendezvous, once
-        res = {name: timed(fn, reps) for name, fn in
-               (("plain", plain), ("json", via_json), ("shm", via_shm), ("gloo", via_gloo))}
+        for _, fn in paths:  # warm every path once (the gloo pair's rendezvous included)
+            fn()
+        times: dict[str, list[float]] = {name: [] for name, _ in paths}
+        for _ in range(reps):  # interleaved, so a noisy neighbour hits every path alike
+            for name, fn in paths:
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        res = {name: statistics.median(v) for name, v in times.items()}
     finally:
         rec.close()
         ring.close()
@@ -189,7 +202,7 @@ def main() -> None:
               f"{r['shm_MB_s']:.0f} | {r['gloo_MB_s']:.0f} | {r['json_ms_per_token']:.3f} | "
               f"{r['shm_ms_per_token']:.4f} | {r['gloo_ms_per_token']:.4f} |")
     if args.engine:
-        e = engine_overhead(args.engine_samples, args.engine_tokens, max(2, args.reps // 2))
+        e = engine_overhead(args.engine_samples, args.engine_tokens, args.reps)
         result["engine"] = e
         n = e["samples"] * e["tokens_per_sample"]
         print(f"\nSGLang 0.5.23 on CPU, SmolLM2 fp32, {e['samples']} x {e['tokens_per_sample']} tokens per call, "
