@@ -141,8 +141,8 @@ def generate(
     if draft is None and not no_draft:
         console.print("[yellow]no --draft given: using a random-init draft (τ≈1); pass --no-draft for the baseline")
     t0 = time.perf_counter()
-    (g,) = engine.generate([ids], max_new_tokens, SamplingConfig(temperature, top_p, acceptance, seed),
-                           eos_ids(tok, engine.target))
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance, seed=seed)
+    (g,) = engine.generate([ids], max_new_tokens, sampling, eos_ids(tok, engine.target))
     dt = time.perf_counter() - t0
     text = tok.decode(g.token_ids, skip_special_tokens=True)
     result = {"text": text, "token_ids": g.token_ids, "tau": g.stats.tau, "tokens_per_s": len(g.token_ids) / dt,
@@ -188,8 +188,8 @@ def eval_cmd(
     reports = []
     for path in data:
         try:
-            rep, _ = evaluate_dataset(engine, tok, path, limit, max_new_tokens,
-                                      SamplingConfig(temperature, top_p, acceptance, seed), eos_ids(tok, engine.target),
+            sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance, seed=seed)
+            rep, _ = evaluate_dataset(engine, tok, path, limit, max_new_tokens, sampling, eos_ids(tok, engine.target),
                                       batch_size)
         except (FileNotFoundError, ValueError) as e:
             _fail(str(e))

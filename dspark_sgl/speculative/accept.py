@@ -4,7 +4,8 @@ Notation: draft tokens x [B, γ]; target distributions p [B, γ+1, V] where row 
 token after [anchor, x_1..x_j]; draft proposal distributions q [B, γ, V]. `limit` [B] caps how many drafts each
 request may accept (the scheduler verifies only a prefix); rows beyond the limit are never read, so a request
 with limit L behaves exactly like speculative decoding with γ = L. All three rules are lossless:
-  greedy    - T = 0: accept the leading run where x_i = argmax p_{i-1}; bonus = argmax of the next row.
+  greedy    - T = 0: accept the leading run where x_i = argmax p_{i-1}; bonus = argmax of the next row (the two
+              rules below give exactly this when p and q are one-hot, so a mixed batch runs one rule).
   rejection - Leviathan et al.: accept x_i with prob min(1, p/q); on rejection resample from norm(max(p − q, 0)).
   block     - Sun et al. 2024 (arXiv 2403.10444) Alg. 2: judges the block jointly; accepts at least as many tokens
               in expectation as token-wise rejection.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_sgl.speculative.sampling import sample
+from dspark_sgl.speculative.sampling import ACCEPT, Noise, as_noise, sample
 
 
 @dataclass
@@ -57,31 +58,36 @@ def greedy_accept(draft_tokens: Tensor, target_logits: Tensor, limit: Tensor | N
 
 
 def rejection_accept(
-    draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None, generator: torch.Generator | None = None
+    draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None,
+    generator: torch.Generator | Noise | None = None,
 ) -> Acceptance:
     B, gamma = draft_tokens.shape
+    noise = as_noise(generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    u = torch.rand(B, gamma, generator=generator, device=p.device)
+    u = noise.uniform(B, gamma, ACCEPT, p.device)
     c = _prefix_len(u * qx < px, lim)
     row = p.gather(1, c[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
     q_pad = _pad_q(q)
     q_row = q_pad.gather(1, c[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
     q_row = torch.where((c == lim)[:, None], torch.zeros_like(q_row), q_row)
-    return Acceptance(c, sample(_residual(row, q_row), generator))
+    return Acceptance(c, sample(_residual(row, q_row), noise))
 
 
 def block_accept(
-    draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None, generator: torch.Generator | None = None
+    draft_tokens: Tensor, q: Tensor, p: Tensor, limit: Tensor | None = None,
+    generator: torch.Generator | Noise | None = None,
 ) -> Acceptance:
     """Block verification (Sun et al., Alg. 2), vectorised over the batch.
 
     ρ_0 = 1, ρ_i = min(ρ_{i−1} p_i(x_i) / q_i(x_i), 1); for i < L with 0 < ρ_i < 1,
     h_i = R_i / (R_i + 1 − ρ_i) with R_i = Σ_v max(ρ_i p_{i+1}(v) − q_{i+1}(v), 0), else h_i = ρ_i; h_L = ρ_L.
-    Accept the largest i with η_i ≤ h_i (0 if none); bonus ~ norm(max(ρ_c p_{c+1} − q_{c+1}, 0)), or p_{L+1} if c = L.
+    Accept the largest i with η_i < h_i (0 if none; strict, so h_i = 0 never accepts);
+    bonus ~ norm(max(ρ_c p_{c+1} − q_{c+1}, 0)), or p_{L+1} if c = L.
     """
     B, gamma = draft_tokens.shape
+    noise = as_noise(generator)
     lim = _limit(limit, B, gamma, p.device)
     px = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -96,15 +102,15 @@ def block_accept(
     h = torch.where((r1 > 0) & (r1 < 1), R / (R + 1 - r1).clamp(min=1e-30), r1)
     idx = torch.arange(1, gamma + 1, device=p.device)
     h = torch.where(idx[None] == lim[:, None], r1, h)  # h_L = ρ_L
-    eta = torch.rand(B, gamma, generator=generator, device=p.device)
-    ok = (eta <= h) & (idx[None] <= lim[:, None])
+    eta = noise.uniform(B, gamma, ACCEPT, p.device)
+    ok = (eta < h) & (idx[None] <= lim[:, None])
     c = F.pad(torch.where(ok, idx[None], 0), (1, 0)).amax(-1)  # the largest accepted i, 0 if none (γ may be 0)
     rho_c = rho.gather(1, c[:, None])
     p_row = p.gather(1, c[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
     q_row = q_pad.gather(1, c[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
     full = (c == lim)[:, None]
     resid = _residual(rho_c * p_row, torch.where(full, torch.zeros_like(q_row), q_row))
-    return Acceptance(c, sample(torch.where(full, p_row, resid), generator))
+    return Acceptance(c, sample(torch.where(full, p_row, resid), noise))
 
 
 ACCEPT_RULES = {"rejection": rejection_accept, "block": block_accept}

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
-from dspark_sgl.speculative.accept import ACCEPT_RULES, Acceptance, greedy_accept
-from dspark_sgl.speculative.markov import Proposal, rollout
-from dspark_sgl.speculative.sampling import draft_probs, next_token, target_probs
+from dspark_sgl.speculative.markov import Proposal
+from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
+from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
 from dspark_sgl.targets.hf import HFTarget, TargetKV
 
 # (proposal, limit-free) -> verify lengths [B] in 1..γ+1; see dspark_sgl.speculative.scheduler
@@ -29,10 +29,11 @@ VerifyPlanner = Callable[[Proposal], Tensor]
 
 
 @dataclass
-class SamplingConfig:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    acceptance: Literal["rejection", "block"] = "rejection"  # used when temperature > 0
+class SamplingConfig(RequestSampling):
+    """The request's sampling (RequestSampling, applied to every prompt unless generate() gets one per prompt),
+    the acceptance rule for sampled rows, and the seed of the engine's generator (rows without a sampling_seed)."""
+
+    acceptance: Literal["rejection", "block"] = "rejection"
     seed: int = 0
 
 
@@ -98,56 +99,76 @@ class SpecEngine:
         max_new_tokens: int,
         sampling: SamplingConfig | None = None,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        requests: list[RequestSampling] | None = None,
     ) -> list[Generation]:
+        """requests: one RequestSampling per prompt (mixed greedy / sampled rows, penalties, seeds); default: all
+        prompts use `sampling`. A row stops at an EOS token or one of its stop_token_ids."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         s = sampling or SamplingConfig()
+        requests = requests if requests is not None else [s] * len(prompts)
+        if len(requests) != len(prompts):
+            raise ValueError(f"{len(requests)} sampling settings for {len(prompts)} prompts")
+        for r in requests:
+            r.validate(self.target.vocab_size)
+        rows = [replace(r, stop_token_ids=frozenset(r.stop_token_ids) | frozenset(eos_token_ids)) for r in requests]
+        stops = [r.stop_token_ids for r in rows]
+        bs = BatchSampling.from_requests(rows, self.target.vocab_size, self.target.device)
         gen = torch.Generator(device=self.target.device).manual_seed(s.seed)
         B = len(prompts)
         outs = [Generation([], RequestStats(self.gamma)) for _ in range(B)]
         kv = TargetKV(self.target, prompts)
         t0 = time.perf_counter()
         first = kv.prefill(logits="last")
-        anchor = next_token(first.logits[:, -1], s.temperature, s.top_p, gen)
+        anchor = self._next_tokens(first.logits[:, -1], bs, gen, prompts, outs, range(B))
         ctx = None
         if self.draft is not None:
             ctx = DraftContextCache(self.draft, B, self.target.device, self.draft.fc.weight.dtype)
             ctx.append(first.aux, kv.lengths, start=kv.pad)
         for b in range(B):
             outs[b].stats.verify_s += time.perf_counter() - t0
-        self._emit(outs, [[int(t)] for t in anchor], eos_token_ids, max_new_tokens)
+        self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens)
         live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
         while True:
             keep = [j for j, i in enumerate(live) if not (outs[i].finished or len(outs[i].token_ids) >= max_new_tokens)]
             if not keep:
                 return outs
             if len(keep) < len(live):
-                rows = torch.tensor(keep, device=anchor.device)
-                kv.select(rows)
+                sel = torch.tensor(keep, device=anchor.device)
+                kv.select(sel)
                 if ctx is not None:
-                    ctx.select(rows)
-                anchor, live = anchor[rows], [live[j] for j in keep]
-            batch = [outs[i] for i in live]
+                    ctx.select(sel)
+                anchor, live, bs = anchor[sel], [live[j] for j in keep], bs.select(sel)
+            step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
+                         max_new_tokens, s.acceptance, self.target.vocab_size)
             if self.draft is None:
-                anchor = self._plain_step(kv, anchor, s, gen, batch, eos_token_ids, max_new_tokens)
+                anchor = self._plain_step(kv, anchor, step)
             else:
-                anchor = self._spec_step(kv, ctx, anchor, s, gen, batch, eos_token_ids, max_new_tokens)
+                anchor = self._spec_step(kv, ctx, anchor, step)
 
-    def _plain_step(self, kv, anchor, s, gen, outs, eos, max_new) -> Tensor:
+    def _next_tokens(self, logits, bs, gen, prompts, outs, rows) -> Tensor:
+        """The target's own draw for the token after each row's last token (prefill)."""
+        positions = torch.tensor([len(prompts[i]) - 1 for i in rows], device=logits.device)
+        hist = OutputHistory.from_lists([[] for _ in rows], logits.shape[-1], logits.device) if bs.any_penalty \
+            else None
+        return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
+
+    def _plain_step(self, kv, anchor, step: _Step) -> Tensor:
         t0 = _sync_time(anchor)
         out = kv.extend(anchor[:, None], logits="last")
-        nxt = next_token(out.logits[:, -1], s.temperature, s.top_p, gen)
+        nxt = next_tokens(out.logits[:, -1], step.bs, step.history(anchor.device), step.noise(anchor.device))
         dt = _sync_time(nxt) - t0
-        for o in outs:
+        for o in step.outs:
             o.stats.verify_s += dt
-        self._emit(outs, [[int(t)] for t in nxt], eos, max_new)
+        self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new)
         return nxt
 
-    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, s, gen, outs, eos, max_new) -> Tensor:
-        draft, gamma = self.draft, self.gamma
+    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step) -> Tensor:
+        draft, gamma, outs, max_new = self.draft, self.gamma, step.outs, step.max_new
         t0 = _sync_time(anchor)
         h = draft.forward_step(anchor, ctx)
-        prop = rollout(draft, h, anchor, s.temperature, gen)
+        noise = step.noise(anchor.device)
+        prop = propose(draft, h, anchor, step.bs, noise)
         limit = None
         n_verify = gamma + 1
         if self.planner is not None:
@@ -156,7 +177,8 @@ class SpecEngine:
         t1 = _sync_time(prop.tokens)
         verify_ids = torch.cat((anchor[:, None], prop.tokens[:, : n_verify - 1]), 1)
         out = kv.extend(verify_ids, logits="all")
-        res = self._accept(prop, out.logits, limit, s, gen, n_verify - 1)
+        logits = adjust_logits(out.logits, step.bs, step.history(anchor.device), prop.tokens[:, : n_verify - 1])
+        res = accept_rows(prop, logits, step.bs, limit, noise, step.acceptance)
         keep = res.num_accepted + 1  # the anchor and the accepted drafts now have target KV
         kv.commit(n_verify, keep)
         t2 = _sync_time(res.bonus)
@@ -173,25 +195,44 @@ class SpecEngine:
                 o.stats.draft_s += (t1 - t0) + (t3 - t2)
                 o.stats.verify_s += t2 - t1
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
-        self._emit(outs, emitted, eos, max_new)
+        self._emit(outs, emitted, step.stops, max_new)
         return res.bonus
 
-    def _accept(self, prop: Proposal, logits: Tensor, limit, s: SamplingConfig, gen, n_drafts: int) -> Acceptance:
-        x = prop.tokens[:, :n_drafts]
-        if s.temperature <= 0:
-            return greedy_accept(x, logits, limit)
-        p = target_probs(logits, s.temperature, s.top_p)
-        q = draft_probs(prop.logits[:, :n_drafts], s.temperature)
-        return ACCEPT_RULES[s.acceptance](x, q, p, limit, gen)
-
     @staticmethod
-    def _emit(outs: list[Generation], tokens: list[list[int]], eos, max_new: int) -> None:
-        for o, toks in zip(outs, tokens, strict=True):
+    def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int) -> None:
+        for o, toks, stop in zip(outs, tokens, stops, strict=True):
             for t in toks:
                 if o.finished or len(o.token_ids) >= max_new:
                     break
                 o.token_ids.append(t)
-                o.finished = t in eos
+                o.finished = t in stop
+
+
+@dataclass
+class _Step:
+    """What one decode step needs to know about the live rows."""
+
+    bs: BatchSampling
+    gen: torch.Generator
+    prompts: list[list[int]]
+    outs: list[Generation]
+    stops: list[frozenset[int]]
+    max_new: int
+    acceptance: str
+    vocab_size: int
+
+    def history(self, device) -> OutputHistory | None:
+        """Output so far, the anchor included (only built when some row has a penalty)."""
+        if not self.bs.any_penalty:
+            return None
+        return OutputHistory.from_lists([o.token_ids for o in self.outs], self.vocab_size, device)
+
+    def noise(self, device):
+        if self.bs.seeds is None:
+            return step_noise(self.bs, self.gen, None)
+        positions = torch.tensor([len(p) + len(o.token_ids) - 1 for p, o in zip(self.prompts, self.outs,
+                                                                                   strict=True)], device=device)
+        return step_noise(self.bs, self.gen, positions)
 
 
 def _sync_time(t: Tensor) -> float:

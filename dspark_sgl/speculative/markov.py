@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dspark_sgl.kernels.markov_step import markov_step
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.speculative.sampling import next_token
+from dspark_sgl.speculative.sampling import ROLLOUT, Noise, as_noise, sample_u
 
 
 @dataclass
@@ -24,14 +24,22 @@ def rollout(
     draft: DSparkDraft,
     h: Tensor,
     anchor: Tensor,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    temperature: float | Tensor = 0.0,
+    generator: torch.Generator | Noise | None = None,
 ) -> Proposal:
     """h [B, γ, H] final draft hidden of the block, anchor [B] -> γ tokens chosen left to right.
 
     Step t adds the Markov bias of the previous token (the anchor for t = 0) to the parallel base logits, then picks
-    x_t greedily (T = 0) or samples it from softmax(ℓ_t / T).
+    x_t greedily (T = 0) or samples it from softmax(ℓ_t / T). temperature may be one per row ([B], 0 = greedy row).
     """
+    if isinstance(temperature, Tensor):
+        temps = temperature.to(h.device, torch.float32)
+        any_sampled = bool((temps > 0).any())
+    else:
+        temps = torch.full((h.shape[0],), float(temperature), device=h.device)
+        any_sampled = temperature > 0
+    sampled = temps > 0
+    u = as_noise(generator).uniform(h.shape[0], h.shape[1], ROLLOUT, h.device) if any_sampled else None
     head, conf_head = draft.markov_head, draft.confidence_head
     base = draft.base_logits(h)
     prev, state = anchor, None
@@ -41,8 +49,9 @@ def rollout(
         if conf_head is not None:
             confs.append(conf_head(h[:, t], head.markov_w1(prev).to(h.dtype)))
         prev, step = markov_step(base[:, t], latent, head.markov_w2.weight)  # fused bias + argmax on GPU
-        if temperature > 0:
-            prev = next_token(step, temperature, 1.0, generator)
+        if any_sampled:
+            probs = torch.softmax(step.float() / torch.where(sampled, temps, 1.0)[:, None], -1)
+            prev = torch.where(sampled, sample_u(probs, u[:, t]), prev)
         tokens.append(prev)
         logits.append(step)
     conf = torch.stack(confs, 1) if confs else None

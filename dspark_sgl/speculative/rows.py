@@ -1,0 +1,60 @@
+"""One decode step's sampling for a batch whose rows each carry their own parameters (greedy and sampled rows,
+different temperatures, top-k/top-p/min-p, penalties, logit bias, seeds), as whole-batch tensor ops.
+
+Called by the reference engine and the SGLang worker alike; they supply logits and bookkeeping, nothing else:
+    propose     - the draft's Markov rollout, greedy or sampled per row
+    next_tokens - one token from the target's own distribution (plain decoding: the reference's sampler)
+    accept_rows - verify: greedy rows by argmax match, sampled rows by the rejection or block rule, in one pass
+                  (with one-hot p and q those rules ARE the greedy rule, so a mixed batch needs no split)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.speculative.accept import ACCEPT_RULES, Acceptance, greedy_accept
+from dspark_sgl.speculative.markov import Proposal, rollout
+from dspark_sgl.speculative.sampling import BONUS, Noise, sample_u
+from dspark_sgl.speculative.target_dist import (
+    BatchSampling,
+    OutputHistory,
+    draft_dist,
+    probs_from_logits,
+    target_dist,
+)
+
+
+def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: Tensor | None) -> Noise:
+    """The step's random numbers: seeded rows hash (seed, anchor position), the rest read the generator."""
+    if s.seeds is None:
+        return Noise(generator)
+    return Noise(generator, s.seeds, s.seeded, positions)
+
+
+def propose(draft: DSparkDraft, h: Tensor, anchor: Tensor, s: BatchSampling, noise: Noise) -> Proposal:
+    temps = 0.0 if s.all_greedy else torch.where(s.greedy, 0.0, s.temperature)
+    return rollout(draft, h, anchor, temps, noise)
+
+
+def next_tokens(logits: Tensor, s: BatchSampling, history: OutputHistory | None, noise: Noise) -> Tensor:
+    """logits [B, V] -> [B] tokens drawn from the target's distribution (argmax on greedy rows)."""
+    probs = target_dist(logits[:, None], s, history)[:, 0]
+    if s.all_greedy:
+        return probs.argmax(-1)
+    u = noise.uniform(probs.shape[0], 1, BONUS, probs.device)[:, 0]
+    return torch.where(s.greedy, probs.argmax(-1), sample_u(probs, u))
+
+
+def accept_rows(prop: Proposal, logits: Tensor, s: BatchSampling, limit: Tensor | None, noise: Noise,
+                rule: str = "rejection") -> Acceptance:
+    """logits [B, W, V]: the target's logits over [anchor, x_1..x_{W-1}], ALREADY adjusted (target_dist's
+    adjust_logits: penalties on history + earlier drafts, logit bias). Request b accepts at most limit[b] drafts."""
+    W = logits.shape[1]
+    x = prop.tokens[:, : W - 1]
+    if s.all_greedy:
+        return greedy_accept(x, logits, limit)
+    p = probs_from_logits(logits, s)
+    q = draft_dist(prop.logits[:, : W - 1], x, s)
+    return ACCEPT_RULES[rule](x, q, p, limit, noise)
