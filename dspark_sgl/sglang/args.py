@@ -42,6 +42,9 @@ def handle_dspark_args(server_args) -> None:
     )
     if cfg.max_running_requests is None:
         declare_resolution(server_args, SOURCE, max_running_requests=48)
+    if getattr(cfg, "enable_watermark", False):
+        raise ValueError("dspark-sgl DSPARK does not support --enable-watermark: the watermark replaces how tokens "
+                         "are drawn, which speculative verification cannot reproduce; drop one of the two")
     if cfg.grammar_backend not in (None, "none"):
         # The worker does not mask draft/verify rows by a grammar yet. With no grammar backend SGLang refuses each
         # json_schema / regex / ebnf request on its own, with its own message, and the server keeps serving.

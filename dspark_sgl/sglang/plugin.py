@@ -18,6 +18,7 @@ import sys
 PLUGIN_NAME = "dspark"  # the entry-point name SGLANG_PLUGINS matches
 WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2"
 ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
+VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 # Live draft updates (weights.py): a DSpark draft folder sent to /update_weights_from_disk loads into the draft only,
 # and does not rename the served model.
@@ -57,6 +58,7 @@ def load() -> None:
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
+    from dspark_sgl.sglang.sampling import refuse_unsupported_request
     from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
 
@@ -64,6 +66,7 @@ def load() -> None:
     register_mla_draft_config()
     HookRegistry.register(DISK_UPDATE_TARGET, route_disk_update, HookType.AROUND)
     HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, refuse_unsupported_request, HookType.BEFORE)  # DSPARK servers only
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
         HookRegistry.register(ARGS_TARGET, handle_dspark_args, HookType.REPLACE)

@@ -8,12 +8,13 @@ One scheduler step, with SGLang owning every KV slot:
               -> verify lengths from the confidence head (the shared Algorithm 1 scheduler; planning.py)
               -> target TARGET_VERIFY over [anchor, x_1..] in the first w columns of SGLang's pre-allocated window,
                  w = the longest scheduled length in the batch (γ+1 under the static policy)
-              -> shared acceptance rule -> commit anchor + accepted (target KV and draft context at the same slots)
+              -> the shared per-row target distribution and acceptance (dspark_sgl.speculative.rows)
+              -> commit anchor + accepted (target KV, draft context and token ids at the same slots)
               -> emit accepted + bonus; the bonus is the next anchor
 
-The DSpark math (draft forward, rollout, acceptance) comes from dspark_sgl.model / dspark_sgl.speculative; SGLang
-supplies the verify window, the verify forward, the target distribution (its own top-k/top-p processing) and the
-per-request bookkeeping (accept lengths, histograms, /server_info).
+The DSpark math (draft forward, rollout, target distribution, acceptance) comes from dspark_sgl.model /
+dspark_sgl.speculative; SGLang supplies the verify window, the verify forward, the requests' sampling parameters
+(dspark_sgl.sglang.sampling maps them) and the per-request bookkeeping (accept lengths, histograms, /server_info).
 """
 
 from __future__ import annotations
@@ -26,14 +27,10 @@ from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import (
-    apply_dflash_verify_logits_adjustments,
-    build_speculative_verify_target_probs,
-)
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify_window
 from torch import Tensor
@@ -41,12 +38,12 @@ from torch import Tensor
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
-from dspark_sgl.speculative.accept import Acceptance, block_accept, greedy_accept, rejection_accept
-from dspark_sgl.speculative.markov import Proposal, rollout
-from dspark_sgl.speculative.sampling import draft_probs
+from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
 from dspark_sgl.speculative.sps import profile_sps
+from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +82,10 @@ class DSparkWorker(BaseSpecWorker):
         self.generator = torch.Generator(device=self.device).manual_seed(int(target_worker.random_seed))
         self.block_pos_offsets = torch.arange(self.verify_width, device=self.device)
         self.context: DraftContextPool | None = None  # sized in alloc_memory_pool, once SGLang's pool exists
+        self.slot_tokens: SlotTokens | None = None  # likewise: the token id at each KV slot (penalty history)
+        ex = get_exec()
+        self.sampling = BatchSamplingCache(self.model_runner.model_config.vocab_size, self.device,
+                                           ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
         self.planner = VerifyPlanner.from_server_args(spec, self.draft)
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context)
         self.traffic = TrafficRecorder.from_server_args()
@@ -119,6 +120,7 @@ class DSparkWorker(BaseSpecWorker):
         super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
         pool = self.model_runner.token_to_kv_pool
         self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.model_runner.dtype)
+        self.slot_tokens = SlotTokens(pool.size + pool.page_size, self.device)
 
     def dump_info_records(self) -> dict:
         info = self.planner.info()
@@ -176,6 +178,7 @@ class DSparkWorker(BaseSpecWorker):
     @torch.no_grad()
     def _forward_prefill(self, batch, on_publish) -> GenerationBatchResult:
         slots = batch.out_cache_loc.clone()  # read before the forward: the radix cache may move it afterwards
+        ids = batch.input_ids.clone()
         spans = zip(batch.prefix_lens, batch.extend_lens, strict=True)
         positions = torch.cat([torch.arange(p, p + n, device=self.device) for p, n in spans])
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -183,6 +186,7 @@ class DSparkWorker(BaseSpecWorker):
         if aux is None or aux.shape[0] != slots.shape[0]:
             raise RuntimeError(f"target returned no aux hidden states for the {slots.shape[0]} prefill tokens")
         self.context.write(slots, aux, positions)
+        self.slot_tokens.write(slots, ids)
         out.logits_output.hidden_states = None  # never copied to the host
         out.new_seq_lens = batch.seq_lens
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
@@ -196,13 +200,12 @@ class DSparkWorker(BaseSpecWorker):
         bs, W = len(batch.seq_lens), self.verify_width
         seq_lens = batch.seq_lens.long()
         anchor = draft_input.bonus_tokens.view(-1).long()
-        sampling = batch.sampling_info
-        greedy = (sampling.top_ks <= 1).view(-1).tolist()
-        temps = sampling.temperatures.view(-1).tolist()
+        rows = self.sampling.get(batch.reqs)
+        noise = step_noise(rows, self.generator, seq_lens)  # seeded requests: a stream of (seed, anchor position)
 
         ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens)
         h = self.draft.forward_step(anchor, ctx)
-        prop = self._rollout(h, anchor, greedy, temps)
+        prop = propose(self.draft, h, anchor, rows, noise)
 
         verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         if self.planner.needs_profile(bs):
@@ -214,8 +217,9 @@ class DSparkWorker(BaseSpecWorker):
         w = W if batch.return_logprob else int(lengths.max())  # the longest scheduled prefix of every request
         window = self._window(batch, draft_input, w)
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
-        target_logits = logits_output.next_token_logits  # [bs·w, V], penalties/logit-bias applied
-        acc = self._accept(prop, target_logits, sampling, greedy, temps, lengths - 1)
+        logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens)
+        rule = "block" if self.block_verification else "rejection"
+        acc = accept_rows(prop, logits, rows, lengths - 1, noise, rule)
         self.planner.record(lengths, w, acc.num_accepted)
 
         c = acc.num_accepted
@@ -225,6 +229,7 @@ class DSparkWorker(BaseSpecWorker):
         keep = cols[:, :w] <= c[:, None]  # the anchor and the accepted drafts now hold target KV: give them context
         aux = logits_output.hidden_states.view(bs, w, -1)
         self.context.write(window.verify_cache_loc_2d[keep], aux[keep], window.positions_2d[keep])
+        self.slot_tokens.write(window.verify_cache_loc_2d[keep], verify_ids[:, :w][keep])
         logits_output.hidden_states = None
 
         if batch.return_logprob:
@@ -263,27 +268,6 @@ class DSparkWorker(BaseSpecWorker):
                             warmup=1, repeats=3, sync=sync, smooth=False)
         self.planner.add_profile(len(batch.seq_lens), dict(zip(table.tokens, table.steps_per_s, strict=True)))
 
-    def _rollout(self, h: Tensor, anchor: Tensor, greedy: list[bool], temps: list[float]) -> Proposal:
-        """The shared Markov rollout, run once per distinct draft temperature in the batch (0 for greedy rows)."""
-        row_temp = [0.0 if g else t for g, t in zip(greedy, temps, strict=True)]
-        parts = []
-        for temp in sorted(set(row_temp)):
-            rows = torch.tensor([i for i, t in enumerate(row_temp) if t == temp], device=self.device)
-            parts.append((rows, rollout(self.draft, h[rows], anchor[rows], temp, self.generator)))
-        if len(parts) == 1:
-            return parts[0][1]
-        merged = []
-        for name in ("tokens", "logits", "conf_logits"):
-            first = getattr(parts[0][1], name)
-            if first is None:
-                merged.append(None)
-                continue
-            out = first.new_empty((h.shape[0], *first.shape[1:]))
-            for rows, p in parts:
-                out[rows] = getattr(p, name)
-            merged.append(out)
-        return Proposal(*merged)
-
     def _verify(self, batch, draft_input, window, verify_ids: Tensor):
         """SGLang's TARGET_VERIFY forward over verify_ids [bs, W] = [anchor, drafts] at the window's slots."""
         W = verify_ids.shape[1]
@@ -308,42 +292,23 @@ class DSparkWorker(BaseSpecWorker):
         out = self.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        apply_dflash_verify_logits_adjustments(
-            next_token_logits=out.logits_output.next_token_logits,
-            sampling_info=batch.sampling_info,
-            draft_token_num=W,
-        )
         return out.logits_output, out.can_run_cuda_graph
 
-    def _accept(self, prop: Proposal, target_logits: Tensor, sampling, greedy: list[bool], temps: list[float],
-                limit: Tensor):
-        """Greedy rows: leading run of argmax matches. Sampled rows: rejection (or block) verification against
-        the distribution SGLang itself samples from (temperature, top-k, top-p) and the draft's softmax(ℓ/T).
-        target_logits cover the first W = limit.max() + 1 columns; request r accepts at most limit[r] drafts."""
-        bs, W = prop.tokens.shape[0], target_logits.shape[0] // prop.tokens.shape[0]
-        drafts, draft_logits = prop.tokens[:, : W - 1], prop.logits[:, : W - 1]
-        num_accepted = torch.zeros(bs, dtype=torch.long, device=self.device)
-        bonus = torch.zeros(bs, dtype=torch.long, device=self.device)
-
-        def put(rows: list[int], res: Acceptance) -> None:
-            idx = torch.tensor(rows, device=self.device)
-            num_accepted[idx], bonus[idx] = res.num_accepted, res.bonus
-
-        greedy_rows = [i for i in range(bs) if greedy[i]]
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=self.device)
-            put(greedy_rows, greedy_accept(drafts[idx], target_logits.view(bs, W, -1)[idx], limit[idx]))
-        if len(greedy_rows) < bs:
-            p = build_speculative_verify_target_probs(
-                next_token_logits=target_logits, sampling_info=sampling, draft_token_num=W, bs=bs
-            )
-            rule = block_accept if self.block_verification else rejection_accept
-            for temp in sorted({temps[i] for i in range(bs) if not greedy[i]}):
-                rows = [i for i in range(bs) if not greedy[i] and temps[i] == temp]
-                idx = torch.tensor(rows, device=self.device)
-                q = draft_probs(draft_logits[idx], temp)
-                put(rows, rule(drafts[idx], q, p[idx].float(), limit[idx], self.generator))
-        return Acceptance(num_accepted, bonus)
+    def _target_logits(self, batch, rows, logits_output, drafts: Tensor, anchor: Tensor, seq_lens: Tensor) -> Tensor:
+        """The verify logits [bs, w, V] with the shared per-request adjustments (penalties on each request's output
+        so far plus the earlier drafts of the block, logit bias); written back so returned logprobs see them too."""
+        bs = len(seq_lens)
+        raw = logits_output.next_token_logits
+        history = None
+        if rows.any_penalty:
+            prompt_lens = torch.tensor([len(r.origin_input_ids) for r in batch.reqs], device=self.device)
+            max_len = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
+            history = self.slot_tokens.history(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                               prompt_lens, seq_lens, max_len, anchor, raw.shape[-1])
+        logits = adjust_logits(raw.view(bs, -1, raw.shape[-1]), rows, history, drafts)
+        if rows.any_penalty or rows.logit_bias is not None:
+            raw.copy_(logits.view_as(raw))
+        return logits
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)

@@ -209,3 +209,33 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
             conf.proj.weight[0, config.hidden_size:] = 6.0  # markov_w1(prev) is one-hot when prev is known
             conf.proj.bias.fill_(-3.0)
     return save_draft(draft, out_dir)
+
+
+# ---- a tiny random target with a small vocabulary (cheap enough for thousands of served samples) -------------------
+def build_tiny_target(out_dir: Path, vocab: int = 8, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
+    """A random fp32 Llama with `vocab` tokens and a word-level tokenizer t0..t{vocab-1} (eos = the last token), so
+    SGLang serves it like any model: input_ids in, output_ids out, min_new_tokens available."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    eos = vocab - 1
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+                      tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=0, eos_token_id=eos,
+                      torch_dtype="float32")
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # sharper than the default init: distributions far from uniform
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    words = {f"t{i}": i for i in range(vocab)}
+    tk = Tokenizer(WordLevel(words, unk_token="t0"))
+    tk.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t0", eos_token=f"t{eos}", unk_token="t0",
+                            pad_token="t0").save_pretrained(out_dir)
+    return out_dir
