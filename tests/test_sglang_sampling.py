@@ -70,7 +70,8 @@ def run_all(server: Server, sets: list[str]) -> dict:
     """Greedy penalty sets, then every sampled set at once (mixed with greedy rows), seeds, refusals."""
     res = {"greedy": {name: generate(server, PROMPTS, [p] * len(PROMPTS), 24) for name, p in
                       {"none": {}, **PENALTIES}.items()}}
-    params = [SAMPLED[name] for name in sets for _ in range(N)] + [PENALTIES["all together"]] * 16
+    greedy = dict(repetition_penalty=1.3, frequency_penalty=0.5)
+    params = [SAMPLED[name] for name in sets for _ in range(N)] + [greedy] * 16
     outs = generate(server, [PROMPT] * len(params), params, 3)
     res["sampled"] = {name: outs[i * N:(i + 1) * N] for i, name in enumerate(sets)}
     res["mixed_greedy"] = outs[len(sets) * N:]
