@@ -18,14 +18,15 @@ else
   # torch first: the CPU wheel (a full `pip install sglang` would pull a CUDA torch and 3.6 GB of NVIDIA libs).
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
-  "${PIP[@]}" numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
-    pyzmq tqdm IPython aiohttp huggingface_hub uvicorn uvloop fastapi "transformers==5.19.0" \
-    "tokenizers==0.23.2" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" "compressed-tensors==0.18.0" \
-    gguf "openai==2.8.0" partial_json_parser setproctitle einops jsonschema "xgrammar==0.2.7" \
-    "soundfile==0.13.1" python-multipart pytest pytest-timeout safetensors typer rich pyyaml scipy
+  # SGLang's CPU runtime set is the package's `serve-cpu` extra (one list, in pyproject.toml); then what the tests use.
+  mapfile -t SERVE_CPU < <("$VENV/bin/python" -c 'import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["serve-cpu"]))' \
+    "$REPO/pyproject.toml")
+  "${PIP[@]}" "${SERVE_CPU[@]}" pytest pytest-timeout safetensors typer rich pyyaml scipy
   # Refuse a CUDA torch that a dependency may have dragged in.
   "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') and torch.version.cuda is None else 'CUDA or wrong torch: ' + torch.__version__)"
 fi
-# This project, editable, without touching the pinned set above (registers the sglang.srt.plugins entry point).
+# This project, editable, without touching the pinned set above (registers the sglang.srt.plugins entry points
+# `dspark` and `dspark_cpu`; rerun after pulling a change to them).
 "$VENV/bin/pip" install --quiet --no-deps -e "$REPO"
 echo "install_sglang: ok ($VENV)"

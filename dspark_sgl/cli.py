@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="DSpark speculative decoding: draft, serve, train.")
@@ -50,7 +51,7 @@ def _main(ctx: typer.Context) -> None:
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}")  # a message may hold [brackets]
     raise typer.Exit(2)
 
 
@@ -288,6 +289,37 @@ def calibrate(
     save_sts(dest, temps, {"before": before, "after": after, "fit_steps": len(accepted),
                            "report_steps": len(test_accepted), "heldout": bool(heldout)})
     console.print(f"wrote {dest}")
+
+
+# ---- dspark serve (logic in dspark_sgl/sglang/serve.py) ---------------------------------------------------------
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    draft: Annotated[Path | None, typer.Option(help="DSpark draft folder (serves DSPARK).")] = None,
+    target: TARGET = "smollm2",
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target, or SGLang's own algorithm.")] = False,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 | auto (SGLang's).")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
+) -> None:
+    """Start real SGLang with the DSpark plugin: an OpenAI-compatible server. Extra arguments go to SGLang."""
+    from dspark_sgl.loading import resolve_target_dir
+    from dspark_sgl.sglang.serve import ServeConfig, ServeError, exec_server, prepare
+
+    if (draft is None) != no_draft:
+        _fail("give exactly one of --draft DIR or --no-draft")
+    try:
+        cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args))
+        if python is not None:
+            cfg.python = python
+        cmd, env = prepare(cfg)
+    except (ServeError, FileNotFoundError) as e:
+        _fail(str(e))
+    mode = f"DSPARK draft {draft}" if draft else "no draft"
+    console.print(f"serving {cfg.target} ({mode}, {device}, {dtype}): OpenAI-compatible API at http://{host}:{port}/v1")
+    exec_server(cmd, env)
 
 
 def _register_plugins() -> None:

@@ -1,6 +1,7 @@
 """Test helpers for real SGLang on CPU: start/stop a server on loopback, and build a deliberately good draft.
 
-Used by tests/test_sglang_*.py and benchmarks/sglang_speed.py. Nothing here is product code.
+Used by tests/test_sglang_*.py and benchmarks/sglang_speed.py. Nothing here is product code: the CPU kernels, the
+server arguments and environment come from the product (dspark_sgl.sglang.cpu, dspark_sgl.sglang.serve).
 """
 
 from __future__ import annotations
@@ -16,36 +17,39 @@ import urllib.error
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+
+from dspark_sgl.sglang.cpu import probe, server_env
+from dspark_sgl.sglang.serve import CPU_SERVER_ARGS as PRODUCT_CPU_ARGS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SGL_VENV = Path(os.environ.get("DSPARK_SGL_VENV", "/work/sgl-venv"))
 
-# The plain fp32 CPU server the reference notes found lossless (bf16 results depend on batch shape).
-CPU_SERVER_ARGS = [
-    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--max-total-tokens", "8192", "--mem-fraction-static", "0.2", "--dtype", "float32",
-]
+CPU_SERVER_ARGS = [*PRODUCT_CPU_ARGS, "--dtype", "float32"]  # what `dspark serve` passes on a CPU, in fp32
 
 
 def sglang_python() -> Path | None:
     """The interpreter of a venv where sglang imports (the current one, else $DSPARK_SGL_VENV)."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     for py in (Path(sys.executable), SGL_VENV / "bin" / "python"):
         if py.exists():
-            ok = subprocess.run([str(py), "-c", "import sglang, dspark_sgl"], capture_output=True, env=cpu_env(),
-                                cwd="/tmp")
+            ok = subprocess.run([str(py), "-c", "import sglang, dspark_sgl"], capture_output=True, env=env, cwd="/tmp")
             if ok.returncode == 0:
                 return py
     return None
 
 
+@cache
+def _facts(py: Path) -> dict:
+    return probe(py)
+
+
 def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    # Only the stand-ins: dspark_sgl comes from the venv's install, whose metadata carries the plugin entry point.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")  # several busy processes share 2 cores: OpenMP spinning thrashes
+    """The product's CPU server environment (stand-ins the sglang venv lacks), plus `extra`."""
+    py = sglang_python()
+    env = server_env(py, facts=_facts(py)) if py else dict(os.environ)
     env.update(extra or {})
     return env
 
@@ -71,12 +75,15 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 600.0) -> Server:
+    def command(self) -> list[str]:
         py = sglang_python()
         if py is None:
             raise RuntimeError("no venv with sglang + dspark_sgl (run .ci/install_sglang.sh)")
-        cmd = [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        return [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+    def start(self, timeout: float = 600.0) -> Server:
+        cmd = self.command()
         self.log_path = self.log_path or Path(f"/tmp/dspark-sglang-{self.port}.log")
         log = open(self.log_path, "w")  # noqa: SIM115 - the child owns it until stop()
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(self.env),
@@ -97,11 +104,8 @@ class Server:
 
     def run_to_exit(self, timeout: float = 600.0) -> tuple[int, str]:
         """Start expecting a start-up failure: (exit code, log)."""
-        py = sglang_python()
-        cmd = [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(self.env),
+            res = subprocess.run(self.command(), capture_output=True, text=True, timeout=timeout, env=cpu_env(self.env),
                                  cwd="/tmp", start_new_session=True)
         except subprocess.TimeoutExpired as e:
             return -1, f"{e.stdout or ''}{e.stderr or ''}"

@@ -1,4 +1,4 @@
-"""Import-only torchvision stand-in (tests only).
+"""Import-only torchvision stand-in for CPU serving (on PYTHONPATH only where the real torchvision does not import).
 
 SGLang imports torchvision at module level in a few multimodal configs, and transformers then
 imports a few of its names; PyPI's torchvision links CUDA and fails beside torch+cpu. Text-only
@@ -13,7 +13,7 @@ class _Stub:
         self.__name__ = name
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(f"{self.__name__}: tests/sglang_cpu/torchvision is import-only")
+        raise NotImplementedError(f"{self.__name__}: the torchvision stand-in is import-only")
 
 
 def stub_getattr(module: str):

@@ -1,0 +1,64 @@
+"""Real SGLang on a CPU: pure-torch `sgl_kernel` ops, an import-only torchvision, verify-capable torch_native attention.
+
+`server_env` is the one place that decides what a CPU server process gets: each stand-in folder goes on PYTHONPATH
+only when the real module does not import in that interpreter (PyPI's sgl_kernel and torchvision need CUDA), so a CUDA
+install never sees them. The attention shim is the `dspark_cpu` entry point of `sglang.srt.plugins` (attention.py).
+Importing this package imports neither sglang nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STANDINS = {"sgl_kernel": HERE / "path_sgl_kernel", "torchvision": HERE / "path_torchvision"}
+PLUGIN_ENTRY_POINTS = ("dspark", "dspark_cpu")  # both must be in the interpreter's installed metadata
+
+_PROBE = """
+import importlib, json, sys
+from importlib.metadata import entry_points, version
+out = {"missing": [], "sglang": None, "plugins": sorted(e.name for e in entry_points(group="sglang.srt.plugins"))}
+for name in %r:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        out["missing"].append(name)
+try:
+    out["sglang"] = version("sglang")
+except Exception:
+    pass
+print(json.dumps(out))
+"""
+
+
+def _user_pythonpath(env: dict[str, str]) -> str:
+    standins = {str(p) for p in STANDINS.values()}
+    return os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in standins)
+
+
+def probe(python: str | Path, env: dict[str, str] | None = None) -> dict:
+    """What `python` has: {"sglang": version or None, "missing": stand-in modules that fail to import, "plugins"}."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = _user_pythonpath(env)  # the caller's own code, never a stand-in
+    res = subprocess.run([str(python), "-c", _PROBE % (tuple(STANDINS),)], capture_output=True, text=True, env=env,
+                         cwd="/tmp", timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"{python} could not be probed: {res.stderr.strip()[-500:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def server_env(python: str | Path, base: dict[str, str] | None = None, facts: dict | None = None) -> dict[str, str]:
+    """Environment for a CPU SGLang process run by `python`: SGLang's CPU engine switch plus the stand-ins it lacks.
+
+    `facts` is a `probe(python)` answer already in hand (saves a second interpreter start).
+    """
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"  # else SGLang imports vllm's rotary embedding
+    env.setdefault("OMP_NUM_THREADS", "1")
+    facts = facts or probe(python, env)
+    paths = [str(STANDINS[name]) for name in facts["missing"]]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, _user_pythonpath(env)) if p)
+    return env

@@ -1,0 +1,91 @@
+"""`dspark serve`: real SGLang (`python -m sglang.launch_server`, OpenAI-compatible) with this project's plugin.
+
+On a CPU the server gets the fp32-lossless CPU arguments (torch_native attention, no CUDA graphs, a small KV pool) and
+the pure-torch stand-ins of dspark_sgl.sglang.cpu for what its interpreter lacks; on CUDA it gets neither. Arguments
+the user adds after ours reach SGLang last, so they win. Nothing here imports sglang: the server runs in `python`,
+probed first so that a missing install is one clear error naming the extra.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env
+
+SGLANG_VERSION = "0.5.23"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+INSTALL_HINT = (f"pip install 'dspark-sgl[serve-cpu]' && pip install --no-deps sglang=={SGLANG_VERSION} "
+                "(or: bash .ci/install_sglang.sh VENV)")
+# The plain CPU server the reference notes found lossless in fp32 (bf16 results depend on batch shape).
+CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--max-total-tokens", "8192", "--mem-fraction-static", "0.2")
+
+
+class ServeError(ValueError):
+    """A bad serve setting or a missing install: one line for the user."""
+
+
+@dataclass
+class ServeConfig:
+    target: Path
+    draft: Path | None = None  # None: plain decoding (or a speculative algorithm named in `extra`)
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    python: Path = field(default_factory=lambda: Path(sys.executable))
+    extra: list[str] = field(default_factory=list)  # passed to SGLang verbatim, last
+
+    def validate(self) -> None:
+        if self.device not in DEVICES:
+            raise ServeError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ServeError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 < self.port < 65536:
+            raise ServeError(f"--port must be in 1..65535, got {self.port}")
+        if not self.python.is_file():
+            raise ServeError(f"--python {str(self.python)!r} is not an interpreter")
+        if not (self.target / "config.json").is_file():
+            raise ServeError(f"target {str(self.target)!r} is not a model folder with config.json")
+        if self.draft is not None:
+            if not (self.draft / "config.json").is_file():
+                raise ServeError(f"draft {str(self.draft)!r} is not a draft folder with config.json")
+            if "--speculative-algorithm" in self.extra:
+                raise ServeError("--draft serves DSPARK; pass --no-draft to choose another --speculative-algorithm")
+
+
+def server_args(cfg: ServeConfig) -> list[str]:
+    """The arguments after `python -m sglang.launch_server`."""
+    args = ["--model-path", str(cfg.target), "--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype]
+    if cfg.device == "cpu":
+        args += CPU_SERVER_ARGS
+    if cfg.draft is not None:
+        args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(cfg.draft.resolve())]
+    return args + list(cfg.extra)
+
+
+def prepare(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of the server; raises ServeError for a bad setting or an incomplete install."""
+    cfg.validate()
+    facts = probe(cfg.python)
+    if facts["sglang"] is None:
+        raise ServeError(f"sglang is not installed for {cfg.python}: {INSTALL_HINT}")
+    if facts["sglang"] != SGLANG_VERSION:
+        raise ServeError(f"dspark serve needs sglang {SGLANG_VERSION}, {cfg.python} has {facts['sglang']}")
+    absent = [name for name in PLUGIN_ENTRY_POINTS if name not in facts["plugins"]]
+    if absent:
+        raise ServeError(f"the sglang.srt.plugins entry points {absent} are not installed for {cfg.python}: "
+                         "reinstall dspark-sgl (pip install -e . or pip install dspark-sgl)")
+    env = server_env(cfg.python, facts=facts) if cfg.device == "cpu" else dict(os.environ)
+    return [str(cfg.python), "-m", "sglang.launch_server", *server_args(cfg)], env
+
+
+def exec_server(cmd: list[str], env: dict[str, str]) -> None:
+    """Become the server (signals such as Ctrl-C then reach SGLang directly)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)
