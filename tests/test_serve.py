@@ -1,0 +1,95 @@
+"""`dspark serve`: the SGLang command it builds and every bad setting as one clear error (no server started here;
+tests/test_sglang_serve.py starts real ones)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dspark_sgl.cli import app
+from dspark_sgl.sglang import serve
+from dspark_sgl.sglang.cpu import STANDINS
+
+runner = CliRunner()
+INSTALLED = {"sglang": serve.SGLANG_VERSION, "missing": ["sgl_kernel"], "plugins": ["dspark", "dspark_cpu"]}
+
+
+@pytest.fixture
+def folders(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for d in (target, draft):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    return target, draft
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[len(args) - 1 - args[::-1].index(name) + 1]  # the last occurrence wins in argparse
+
+
+def test_cpu_command_serves_dspark_with_the_cpu_args_and_user_args_last(folders, monkeypatch):
+    target, draft = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    cfg = serve.ServeConfig(target, draft, port=31234, extra=["--max-total-tokens", "4096"])
+    cmd, env = serve.prepare(cfg)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert _flag(cmd, "--speculative-algorithm") == "DSPARK"
+    assert _flag(cmd, "--speculative-draft-model-path") == str(draft.resolve())
+    assert _flag(cmd, "--device") == "cpu" and _flag(cmd, "--attention-backend") == "torch_native"
+    assert _flag(cmd, "--dtype") == "float32" and _flag(cmd, "--port") == "31234"
+    assert _flag(cmd, "--max-total-tokens") == "4096"  # the user's, after ours
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["PYTHONPATH"].split(":")[0] == str(STANDINS["sgl_kernel"])
+    assert str(STANDINS["torchvision"]) not in env["PYTHONPATH"]  # only what the probe found missing
+
+
+def test_cuda_command_gets_no_cpu_args_and_no_standins(folders, monkeypatch):
+    target, _ = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    cmd, env = serve.prepare(serve.ServeConfig(target, None, device="cuda", dtype="bfloat16"))
+    assert "--device" not in cmd and "--speculative-algorithm" not in cmd and _flag(cmd, "--dtype") == "bfloat16"
+    assert all(str(p) not in env.get("PYTHONPATH", "") for p in STANDINS.values())
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"dtype": "fp8"}, "--dtype must be one of"),
+    ({"device": "tpu"}, "--device must be one of"),
+    ({"port": 70000}, "--port must be in 1..65535"),
+    ({"python": Path("/nonexistent/python")}, "is not an interpreter"),
+    ({"draft": Path("/nonexistent/draft")}, "is not a draft folder"),
+    ({"target": Path("/nonexistent/target")}, "is not a model folder"),
+    ({"extra": ["--speculative-algorithm", "NGRAM"]}, "pass --no-draft to choose another"),
+])
+def test_bad_settings_are_one_clear_error(folders, change, message):
+    target, draft = folders
+    cfg = serve.ServeConfig(target, draft)
+    for k, v in change.items():
+        setattr(cfg, k, v)
+    with pytest.raises(serve.ServeError, match=message):
+        serve.prepare(cfg)
+
+
+@pytest.mark.parametrize(("facts", "message"), [
+    ({"sglang": None, "missing": [], "plugins": []}, r"sglang is not installed .*dspark-sgl\[serve-cpu\]"),
+    ({"sglang": "0.5.9", "missing": [], "plugins": []}, "needs sglang 0.5.23"),
+    ({"sglang": "0.5.23", "missing": [], "plugins": ["dspark"]}, r"\['dspark_cpu'\] are not installed"),
+])
+def test_an_incomplete_install_is_named(folders, monkeypatch, facts, message):
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: facts)
+    with pytest.raises(serve.ServeError, match=message):
+        serve.prepare(serve.ServeConfig(*folders))
+
+
+def test_cli_exits_2_with_one_line_naming_the_extra(folders, monkeypatch):
+    target, draft = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: {"sglang": None, "missing": [], "plugins": []})
+    res = runner.invoke(app, ["serve", "--target", str(target), "--draft", str(draft)])
+    assert res.exit_code == 2 and "dspark-sgl[serve-cpu]" in res.output.replace("\n", "")
+    assert "Traceback" not in res.output
+    both = runner.invoke(app, ["serve", "--target", str(target), "--draft", str(draft), "--no-draft"])
+    neither = runner.invoke(app, ["serve", "--target", str(target)])
+    for res in (both, neither):
+        assert res.exit_code == 2 and "exactly one of --draft DIR or --no-draft" in res.output

@@ -1,0 +1,84 @@
+"""`dspark serve` on CPU, end to end: real SGLang 0.5.23 behind the OpenAI endpoint, plain, DSPARK and SGLang's NGRAM.
+
+Every server here is started by the product command (not the test kit's bare launch_server), with the pure-torch
+`sgl_kernel` stand-ins it picks for this CPU. fp32, T = 0: DSPARK and NGRAM must return exactly plain decoding's
+tokens, one request at a time and 4 concurrent. Target: SmolLM2-135M; draft: the bigram draft of the test kit (built
+from the plain outputs, so it is accepted). Servers stop as soon as the module is done.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
+from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (.ci/install_sglang.sh VENV; "
+                       "point DSPARK_SGL_VENV at it)"),
+]
+
+MAX_NEW = 40
+CHAT = "Count from 1 to 12, separated by commas."
+PROMPTS = [
+    "1, 2, 3, 4, 5, 6,",
+    "Monday, Tuesday, Wednesday,",
+    "def fibonacci(n):",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def _outputs(server: ServeCommand, prompt_ids: list[list[int]]) -> dict:
+    """Greedy outputs one at a time and all concurrently, the accept lengths, and one chat completion."""
+    server.post("/flush_cache", {})  # also resets NGRAM's corpus
+    single = [server.generate([ids], MAX_NEW)[0] for ids in prompt_ids]
+    batched = server.generate(prompt_ids, MAX_NEW)
+    chat = server.chat(CHAT, MAX_NEW)
+    print(f"{server.serve_args}: /v1/chat/completions -> {chat['choices'][0]['message']}")  # shown with -s
+    return {"single": [o["output_ids"] for o in single], "batched": [o["output_ids"] for o in batched],
+            "accept": [o["meta_info"].get("spec_accept_length") for o in single], "chat": chat}
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_dir, prompt_ids) -> dict:
+    with ServeCommand(smollm2_dir, serve_args=["--no-draft"]) as s:
+        return _outputs(s, prompt_ids)
+
+
+def test_plain_serve_answers_through_the_openai_endpoint(plain):
+    reply = plain["chat"]
+    msg = reply["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"].strip()
+    assert reply["usage"]["completion_tokens"] > 0
+    assert plain["single"] == plain["batched"]  # fp32: batch shape does not change the tokens
+
+
+def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, plain, tmp_path_factory):
+    seqs = [p + o for p, o in zip(prompt_ids, plain["single"], strict=True)]
+    draft = build_bigram_draft(smollm2_dir, seqs, tmp_path_factory.mktemp("draft") / "bigram")
+    with ServeCommand(smollm2_dir, serve_args=["--draft", str(draft)]) as s:
+        out = _outputs(s, prompt_ids)
+    assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
+    assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
+    assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]  # the draft really proposed tokens
+
+
+def test_ngram_serve_is_lossless(smollm2_dir, prompt_ids, plain):
+    args = ["--no-draft", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    with ServeCommand(smollm2_dir, serve_args=args) as s:
+        out = _outputs(s, prompt_ids)
+    assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
+    assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
+    assert max(out["accept"]) > 1.0, out["accept"]  # the counting prompt repeats itself: NGRAM drafts are accepted
