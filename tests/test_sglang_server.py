@@ -239,8 +239,8 @@ def test_bad_input_stops_startup_with_our_error(target_dir, good_draft, tmp_path
 
 
 def test_switch_gives_the_builtin_back(target_dir, good_draft):
-    """Leaving `dspark` out of SGLANG_PLUGINS loads only the CPU shims: the builtin DSPARK then refuses CPU."""
-    server = Server(target_dir, dspark_args(good_draft), env={"SGLANG_PLUGINS": "dspark_cpu_shims"})
+    """Leaving `dspark` out of SGLANG_PLUGINS loads only the CPU attention shim: the builtin DSPARK then refuses CPU."""
+    server = Server(target_dir, dspark_args(good_draft), env={"SGLANG_PLUGINS": "dspark_cpu"})
     code, out = server.run_to_exit()
     assert code != 0
     assert "DSpark speculative decoding only supports CUDA, NPU or XPU device." in out
