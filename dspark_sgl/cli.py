@@ -298,7 +298,7 @@ def serve(
     draft: Annotated[Path | None, typer.Option(help="DSpark draft folder (serves DSPARK).")] = None,
     target: TARGET = "smollm2",
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target, or SGLang's own algorithm.")] = False,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 | auto (SGLang's).")] = "float32",
+    dtype: DTYPE = "auto",
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     host: str = "127.0.0.1",
     port: int = 30000,

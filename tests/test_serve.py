@@ -33,7 +33,7 @@ def _flag(args: list[str], name: str) -> str:
 def test_cpu_command_serves_dspark_with_the_cpu_args_and_user_args_last(folders, monkeypatch):
     target, draft = folders
     monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
-    cfg = serve.ServeConfig(target, draft, port=31234, extra=["--max-total-tokens", "4096"])
+    cfg = serve.ServeConfig(target, draft, dtype="float32", port=31234, extra=["--max-total-tokens", "4096"])
     cmd, env = serve.prepare(cfg)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert _flag(cmd, "--speculative-algorithm") == "DSPARK"
@@ -44,6 +44,12 @@ def test_cpu_command_serves_dspark_with_the_cpu_args_and_user_args_last(folders,
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["PYTHONPATH"].split(":")[0] == str(STANDINS["sgl_kernel"])
     assert str(STANDINS["torchvision"]) not in env["PYTHONPATH"]  # only what the probe found missing
+
+
+def test_auto_dtype_reaches_sglang_as_a_concrete_name(folders, monkeypatch):
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    cmd, _ = serve.prepare(serve.ServeConfig(folders[0], None))
+    assert _flag(cmd, "--dtype") in ("float32", "bfloat16")  # SGLang's own `auto` would mean the checkpoint's dtype
 
 
 def test_cuda_command_gets_no_cpu_args_and_no_standins(folders, monkeypatch):

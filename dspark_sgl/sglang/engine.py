@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dspark_sgl.sglang.cpu import SGLANG_CPU_ARGS  # one definition with `dspark serve`'s CPU flags (re-exported)
+
 
 class EngineError(RuntimeError):
     """The target engine cannot serve the trainer (missing SGLang, bad settings, bad output)."""
@@ -23,11 +25,6 @@ def check_sglang_importable() -> None:
     if importlib.util.find_spec("sglang") is None:
         raise EngineError(f"engine.kind=sglang needs SGLang 0.5.23 importable by {sys.executable} "
                           "(pip install 'dspark-sgl[sglang]'), or use engine.kind=hf")
-
-
-# SGLang on a CPU (see docs/serving.md): torch attention, no CUDA graphs, a small fixed KV pool.
-SGLANG_CPU_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                       max_total_tokens=8192, mem_fraction_static=0.2)
 
 
 def capture_engine_args(model_path: str, dtype: str, layer_ids: list[int], device: torch.device, tp_size: int = 1,

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env
+from dspark_sgl.dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
+from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, cpu_server_flags, probe, server_env
 
 SGLANG_VERSION = "0.5.23"
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 INSTALL_HINT = (f"pip install 'dspark-sgl[serve-cpu]' && pip install --no-deps sglang=={SGLANG_VERSION} "
                 "(or: bash .ci/install_sglang.sh VENV)")
-# The CPU server the reference notes found lossless in fp32 (bf16 results depend on batch shape). The KV pool is capped
-# by --max-total-tokens; the static fraction only sets how much of the RAM free at start-up must still be free after
-# the weights load, so 0.5 tolerates other processes on a shared machine.
-CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--max-total-tokens", "8192", "--mem-fraction-static", "0.5")
+CPU_SERVER_ARGS = tuple(cpu_server_flags())  # the fp32-lossless CPU server (dspark_sgl.sglang.cpu)
 
 
 class ServeError(ValueError):
@@ -35,7 +31,7 @@ class ServeError(ValueError):
 class ServeConfig:
     target: Path
     draft: Path | None = None  # None: plain decoding (or a speculative algorithm named in `extra`)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bf16 only where the hardware multiplies bf16 natively (dspark_sgl.dtypes), else fp32
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 30000
@@ -45,8 +41,8 @@ class ServeConfig:
     def validate(self) -> None:
         if self.device not in DEVICES:
             raise ServeError(f"--device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ServeError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ServeError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not 0 < self.port < 65536:
             raise ServeError(f"--port must be in 1..65535, got {self.port}")
         if not self.python.is_file():
@@ -83,6 +79,7 @@ def prepare(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
         raise ServeError(f"the sglang.srt.plugins entry points {absent} are not installed for {cfg.python}: "
                          "reinstall dspark-sgl (pip install -e . or pip install dspark-sgl)")
     env = server_env(cfg.python, facts=facts) if cfg.device == "cpu" else dict(os.environ)
+    cfg = replace(cfg, dtype=dtype_name(resolve_dtype(cfg.dtype, cfg.device, what="--dtype")))
     return [str(cfg.python), "-m", "sglang.launch_server", *server_args(cfg)], env
 
 

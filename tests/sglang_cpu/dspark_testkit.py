@@ -167,7 +167,7 @@ class Server:
 
 @dataclass
 class ServeCommand(Server):
-    """The product command, `dspark serve --target MODEL SERVE_ARGS`, in place of a bare launch_server."""
+    """The product command, `dspark serve --target MODEL --dtype float32 SERVE_ARGS`, not a bare launch_server."""
 
     serve_args: list[str] = field(default_factory=list)
 
@@ -176,7 +176,7 @@ class ServeCommand(Server):
         if py is None:
             raise RuntimeError("no venv with sglang + dspark_sgl (run .ci/install_sglang.sh)")
         return [sys.executable, "-m", "dspark_sgl.cli", "serve", "--python", str(py), "--target", str(self.model),
-                "--host", "127.0.0.1", "--port", str(self.port), *self.serve_args]
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", *self.serve_args]
 
     def process_env(self) -> dict[str, str]:
         return dict(os.environ, **self.env)  # `dspark serve` builds the server's environment itself

@@ -16,6 +16,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STANDINS = {"sgl_kernel": HERE / "path_sgl_kernel", "torchvision": HERE / "path_torchvision"}
 PLUGIN_ENTRY_POINTS = ("dspark", "dspark_cpu")  # both must be in the interpreter's installed metadata
+# SGLang on a CPU (server flags and sglang.Engine keywords alike): torch attention, no CUDA graphs, a KV pool capped by
+# max_total_tokens. The static fraction only sets how much of the RAM free at start-up must still be free once the
+# weights are loaded, so 0.5 tolerates other processes on a shared machine. fp32 is what keeps T = 0 lossless here
+# (bf16 results depend on batch shape); the dtype is the caller's.
+SGLANG_CPU_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                       max_total_tokens=8192, mem_fraction_static=0.5)
+
+
+def cpu_server_flags() -> list[str]:
+    """SGLANG_CPU_ARGS as `launch_server` flags."""
+    flags = []
+    for key, value in SGLANG_CPU_ARGS.items():
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags
 
 _PROBE = """
 import importlib, json, sys
