@@ -318,7 +318,8 @@ def serve(
     except (ServeError, FileNotFoundError) as e:
         _fail(str(e))
     mode = f"DSPARK draft {draft}" if draft else "no draft"
-    console.print(f"serving {cfg.target} ({mode}, {device}, {dtype}): OpenAI-compatible API at http://{host}:{port}/v1")
+    used = cmd[cmd.index("--dtype") + 1]  # `auto` resolved by capability
+    console.print(f"serving {cfg.target} ({mode}, {device}, {used}): OpenAI-compatible API at http://{host}:{port}/v1")
     exec_server(cmd, env)
 
 
