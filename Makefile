@@ -40,8 +40,9 @@ test: install lint
 SGL_VENV ?= $(CURDIR)/.venv-sglang
 test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
-	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_server.py tests/test_sglang_capture.py tests/test_sglang_serve.py
+	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_*.py
 
-# The newcomer's first run: 2 ranks of the README recipe (a few steps) from an empty $HOME / $XDG_CACHE_HOME.
+# The newcomer's first run (2 ranks of the README recipe from an empty $HOME / $XDG_CACHE_HOME), and the 2-node
+# loopback trainer (kills and exact resume).
 test-first-run: install
-	$(BIN)/python -m pytest -q -m slow tests/test_first_run.py
+	$(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
