@@ -278,13 +278,7 @@ class DSparkConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DSparkConfig:
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-        if not file.exists():
-            raise ConfigError(f"no config.json at {file}")
-        try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file} is not valid JSON: {e}") from e
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(file, "draft"))
 
     def save_pretrained(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -333,16 +327,23 @@ def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[i
     return sorted({start + round(i * (end - start) / max(k - 1, 1)) for i in range(k)})
 
 
-# ---- the target side: the one reader of a target's config.json, and the one draft-from-target builder ----------
-def read_target_config(path: str | Path) -> dict[str, Any]:
-    """A target folder's config.json, `text_config` (multimodal wrappers) lifted to the top level."""
-    file = Path(path) / "config.json"
+def read_json(file: Path, what: str) -> dict[str, Any]:
+    """A config.json as a dict, or one ConfigError naming the file."""
     if not file.exists():
-        raise ConfigError(f"target model folder {path} has no config.json")
+        raise ConfigError(f"{what} model folder {file.parent} has no config.json")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"target {file} is not valid JSON: {e}") from None
+        raise ConfigError(f"{what} {file} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {file} is not a JSON object")
+    return raw
+
+
+# ---- the target side: the one reader of a target's config.json, and the one draft-from-target builder ----------
+def read_target_config(path: str | Path) -> dict[str, Any]:
+    """A target folder's config.json, `text_config` (multimodal wrappers) lifted to the top level."""
+    raw = read_json(Path(path) / "config.json", "target")
     return (raw.get("text_config") or raw) | {k: v for k, v in raw.items() if k != "text_config"}
 
 

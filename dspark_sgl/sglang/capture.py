@@ -184,16 +184,7 @@ def split_rows(rows: Any, n: int, num_aux: int, hidden_size: int) -> Captured:
 def capture(engine_or_url: Any, token_id_lists: list[list[int]], num_aux: int, hidden_size: int,
             timeout: float = 600.0) -> list[Captured]:
     """Prefill-only capture of every token of each sample, from an in-process `sglang.Engine` or an http URL."""
-    if not token_id_lists or any(len(ids) == 0 for ids in token_id_lists):
-        raise CaptureError("capture needs at least one sample and no empty sample")
-    payload = _request(token_id_lists)
-    if isinstance(engine_or_url, str):
-        outs = _post(engine_or_url, payload, timeout)
-    else:
-        outs = engine_or_url.generate(**payload)
-        outs = outs if isinstance(outs, list) else [outs]
-    if len(outs) != len(token_id_lists):
-        raise CaptureError(f"capture sent {len(token_id_lists)} samples and got {len(outs)} replies")
+    outs = _send(engine_or_url, token_id_lists, {}, timeout)
     result = []
     for ids, out in zip(token_id_lists, outs, strict=True):
         hidden = out.get("meta_info", {}).get("hidden_states")
@@ -204,14 +195,11 @@ def capture(engine_or_url: Any, token_id_lists: list[list[int]], num_aux: int, h
     return result
 
 
-def capture_to(engine_or_url: Any, token_id_lists: list[list[int]], rids: list[str], timeout: float = 600.0) -> None:
-    """Prefill-only capture whose rows go to the tensor data plane: each sample's request id is the rid of its
-    `transport.Route`; the engine's writer rank ships the rows there and the replies carry no hidden states."""
+def _send(engine_or_url: Any, token_id_lists: list[list[int]], extra: dict, timeout: float) -> list[dict]:
+    """One prefill-only request per sample (Engine object or http URL); one reply each."""
     if not token_id_lists or any(len(ids) == 0 for ids in token_id_lists):
         raise CaptureError("capture needs at least one sample and no empty sample")
-    if len(rids) != len(token_id_lists):
-        raise CaptureError(f"{len(token_id_lists)} samples but {len(rids)} request ids")
-    payload = {**_request(token_id_lists), "rid": list(rids)}
+    payload = {**_request(token_id_lists), **extra}
     if isinstance(engine_or_url, str):
         outs = _post(engine_or_url, payload, timeout)
     else:
@@ -219,6 +207,15 @@ def capture_to(engine_or_url: Any, token_id_lists: list[list[int]], rids: list[s
         outs = outs if isinstance(outs, list) else [outs]
     if len(outs) != len(token_id_lists):
         raise CaptureError(f"capture sent {len(token_id_lists)} samples and got {len(outs)} replies")
+    return outs
+
+
+def capture_to(engine_or_url: Any, token_id_lists: list[list[int]], rids: list[str], timeout: float = 600.0) -> None:
+    """Prefill-only capture whose rows go to the tensor data plane: each sample's request id is the rid of its
+    `transport.Route`; the engine's writer rank ships the rows there and the replies carry no hidden states."""
+    if len(rids) != len(token_id_lists):
+        raise CaptureError(f"{len(token_id_lists)} samples but {len(rids)} request ids")
+    outs = _send(engine_or_url, token_id_lists, {"rid": list(rids)}, timeout)
     for rid, out in zip(rids, outs, strict=True):
         meta = out.get("meta_info", {})
         reason = meta.get("finish_reason") or {}
