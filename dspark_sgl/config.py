@@ -330,7 +330,7 @@ def default_target_layer_ids(num_target_layers: int, num_aux: int = 5) -> list[i
 def read_json(file: Path, what: str) -> dict[str, Any]:
     """A config.json as a dict, or one ConfigError naming the file."""
     if not file.exists():
-        raise ConfigError(f"{what} model folder {file.parent} has no config.json")
+        raise ConfigError(f"no config.json in the {what} folder {file.parent}")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
