@@ -79,11 +79,15 @@ class DSparkConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     own_embed_tokens: bool = False  # the draft trains its own embed_tokens (saved) instead of borrowing the target's
+    # Reduced draft vocabulary (K hot target tokens, mapped by the checkpoint's `d2t`); None or = vocab_size: full.
+    draft_vocab_size: int | None = None
     # The config.json this was read from: the MLA layout writes its keys back unchanged (peers' extra keys kept).
     source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.draft_vocab_size is not None and int(self.draft_vocab_size) == self.vocab_size:
+            self.draft_vocab_size = None  # K = V is the full-vocabulary draft, byte for byte
         self.validate()
 
     @property
@@ -97,6 +101,24 @@ class DSparkConfig:
     @property
     def is_mla(self) -> bool:
         return self.attention_type == "mla"
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None
+
+    @property
+    def draft_vocab(self) -> int:
+        """K: rows of the draft's lm_head and markov_w2 (V for a full-vocabulary draft)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    def require_full_vocab(self, reader: str) -> None:
+        """One clear error for a format that has no draft-to-target map (it would read a K-row head as V rows)."""
+        if self.reduced_vocab:
+            raise ConfigError(
+                f"{reader} cannot hold a reduced-vocabulary draft (draft_vocab_size={self.draft_vocab_size} < "
+                f"vocab_size={self.vocab_size}): its format has no d2t map. Use the canonical folder "
+                "(dspark-sgl, vLLM/speculators) or train a full-vocabulary draft"
+            )
 
     def validate(
         self,
@@ -142,6 +164,10 @@ class DSparkConfig:
             )
         if target_vocab_size is not None and target_vocab_size != self.vocab_size:
             raise ConfigError(f"draft vocab_size={self.vocab_size} != target vocab size {target_vocab_size}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
+            )
         if self.sts_temperatures is not None and len(self.sts_temperatures) != self.block_size:
             raise ConfigError(
                 f"sts_temperatures has {len(self.sts_temperatures)} entries, expected block_size={self.block_size}"
@@ -228,6 +254,10 @@ class DSparkConfig:
         )
         if self.sts_temperatures is None:
             out.pop("sts_temperatures")
+        if self.draft_vocab_size is None:
+            out.pop("draft_vocab_size")
+        else:  # vLLM / speculators read it top-level; our loader and SGLang-style readers under dspark_config
+            out["dspark_config"]["draft_vocab_size"] = self.draft_vocab_size
         return out
 
     def _mla_layout(self) -> dict[str, Any]:
@@ -261,7 +291,7 @@ class DSparkConfig:
             "enable_confidence_head": self.enable_confidence_head,
             "confidence_head_with_markov": self.confidence_head_with_markov,
             "tie_word_embeddings": False,
-            "draft_vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab,
         }
         if rope_key in src or self.rope_scaling:
             ours[rope_key] = rope

@@ -145,10 +145,18 @@ class VocabLoss(torch.autograd.Function):
     post-norm hidden, labels [R], w [R]. Outputs: the differentiable scalar and detached per-row (ce, l1, correct,
     agree). Logits match `DSparkDraft.base_logits(h) + markov_head.bias(latent)`: each matmul in its weight's
     dtype, summed in fp32.
+
+    Reduced draft vocabulary S (K tokens): w2 and lm have K rows, `lm_full` [V, H] is the target's head, `vocab` [K]
+    the target ids of S and `label_idx` [R] each label's draft id (−1 outside S). The target distribution p stays
+    the full-vocabulary one (its logsumexp once per row); the draft's q is zero outside S, so
+        L1 = Σ_{v∈S} |q_v − p_v| + (1 − Σ_{v∈S} p_v)   (= 2·TV, the confidence label is 1 − L1/2 = P(accept)),
+    CE counts only labels inside S (a label outside S can never be proposed, so it has no gradient to give).
+    The out-of-set term does not depend on the draft: the gradient keeps the full-vocabulary form over K columns.
     """
 
     @staticmethod
-    def forward(ctx, h, latent, w2, lm, tgt, labels, w, ce_w: float, l1_w: float, chunk: int):
+    def forward(ctx, h, latent, w2, lm, tgt, labels, w, ce_w: float, l1_w: float, chunk: int,
+                lm_full=None, vocab=None, label_idx=None):
         R = h.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(h) if need_grad else None
@@ -160,6 +168,9 @@ class VocabLoss(torch.autograd.Function):
         for s in range(0, R, chunk):
             e = min(s + chunk, R)
             hc, lc, y = h[s:e], latent[s:e], labels[s:e]
+            if vocab is not None:  # labels as draft ids; a label outside S gets no CE
+                inset = label_idx[s:e] >= 0
+                y = label_idx[s:e].clamp(min=0)
             # In place wherever possible: these [rows, V] fp32 passes, not the matmuls, dominate on CPU.
             logits = F.linear(hc.to(lm.dtype), lm).float()
             logits += F.linear(lc.to(w2.dtype), w2).float()
@@ -167,12 +178,22 @@ class VocabLoss(torch.autograd.Function):
             lse = torch.logsumexp(logits, -1)
             ce = lse - logits.gather(1, y[:, None]).squeeze(1)
             p = logits.sub_(lse[:, None]).exp_()  # draft probabilities, in the logits' buffer
-            q = F.linear(tgt[s:e].to(lm.dtype), lm).float()
-            agree[s:e] = pred == q.argmax(-1)
-            q = q.sub_(q.amax(-1, keepdim=True)).exp_()
-            q = q.div_(q.sum(-1, keepdim=True))  # target probabilities
+            if vocab is None:
+                q = F.linear(tgt[s:e].to(lm.dtype), lm).float()
+                agree[s:e] = pred == q.argmax(-1)
+                q = q.sub_(q.amax(-1, keepdim=True)).exp_()
+                q = q.div_(q.sum(-1, keepdim=True))  # target probabilities
+            else:  # the target's full distribution, restricted to S; its mass outside S is never accepted
+                full = F.linear(tgt[s:e].to(lm_full.dtype), lm_full).float()
+                agree[s:e] = vocab[pred] == full.argmax(-1)
+                q = full[:, vocab].sub_(torch.logsumexp(full, -1)[:, None]).exp_()
+                del full
+                outside = (1 - q.sum(-1)).clamp_(min=0)
+                ce, pred = ce * inset, pred.masked_fill(~inset, -1)
             d = q.sub_(p)  # q − p, in q's buffer
             l1 = torch.linalg.vector_norm(d, 1, dim=-1)
+            if vocab is not None:
+                l1 = l1 + outside
             ce_rows[s:e], l1_rows[s:e], correct[s:e] = ce, l1, pred == y
             wc = w[s:e].float()
             total += (wc * (ce_w * ce + l1_w * l1)).sum()
@@ -180,8 +201,12 @@ class VocabLoss(torch.autograd.Function):
                 continue
             # d CE/d z = p − onehot(y);  d L1/d z_j = p_j (s_j − Σ_v s_v p_v) with s = sign(p − q).
             g = d.sign_().neg_().mul_(p)  # s·p
-            g.addcmul_(p, g.sum(-1, keepdim=True), value=-1).mul_(l1_w).add_(p, alpha=ce_w)
-            g[torch.arange(e - s, device=g.device), y] -= ce_w
+            if vocab is None:
+                g.addcmul_(p, g.sum(-1, keepdim=True), value=-1).mul_(l1_w).add_(p, alpha=ce_w)
+                g[torch.arange(e - s, device=g.device), y] -= ce_w
+            else:
+                g.addcmul_(p, g.sum(-1, keepdim=True), value=-1).mul_(l1_w).add_(p * inset[:, None], alpha=ce_w)
+                g[torch.arange(e - s, device=g.device)[inset], y[inset]] -= ce_w
             g.mul_(wc[:, None])
             del p
             grad_h[s:e] = (g.to(lm.dtype) @ lm).to(h.dtype)
@@ -197,7 +222,7 @@ class VocabLoss(torch.autograd.Function):
         grad_h, grad_lat, grad_w2 = ctx.saved_tensors
         g = grad_total.to(torch.float32)
         return (grad_h * g.to(grad_h.dtype), grad_lat * g.to(grad_lat.dtype), grad_w2 * g.to(grad_w2.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 # ---- the objective -----------------------------------------------------------------------------------------
@@ -215,9 +240,15 @@ def compute_objective(
     rows_h, rows_lat = h[b_idx, n_idx, k_idx], latent[b_idx, n_idx, k_idx]
     rows_tgt = batch.last_hidden[b_idx, tgt_pos[b_idx, n_idx, k_idx]]
     w = position_weights(gamma, cfg.gamma_decay, h.device)[k_idx]
+    rows_labels, reduced = labels[b_idx, n_idx, k_idx], ()
+    if c.reduced_vocab:  # the K hot lm_head rows score the draft; the full head gives the target's distribution
+        vocab = draft.vocab
+        index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=vocab.device)
+        index[vocab] = torch.arange(vocab.shape[0], device=vocab.device)
+        reduced = (draft.target.lm_head.weight, vocab, index[rows_labels])
     numerator, ce, l1, correct, agree = VocabLoss.apply(
-        rows_h, rows_lat, draft.markov_head.markov_w2.weight, draft.target.lm_head.weight, rows_tgt,
-        labels[b_idx, n_idx, k_idx], w, cfg.ce_weight, cfg.l1_weight, cfg.vocab_chunk_rows,
+        rows_h, rows_lat, draft.markov_head.markov_w2.weight, draft.head_weight(), rows_tgt,
+        rows_labels, w, cfg.ce_weight, cfg.l1_weight, cfg.vocab_chunk_rows, *reduced,
     )
     alpha = (1 - l1 / 2).clamp(0, 1)  # detached: VocabLoss marks l1 non-differentiable
     bce = torch.zeros_like(alpha)

@@ -70,11 +70,19 @@ if triton is not None:
         return part_idx.gather(1, winner).squeeze(1), (logits if write_logits else None)
 
 
-def markov_step(base: Tensor, latent: Tensor, w2: Tensor, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Dispatch: "triton" on CUDA (or under TRITON_INTERPRET=1 when forced), "torch" elsewhere."""
+def markov_step(
+    base: Tensor, latent: Tensor, w2: Tensor, backend: str = "auto", vocab: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Dispatch: "triton" on CUDA (or under TRITON_INTERPRET=1 when forced), "torch" elsewhere.
+
+    With a reduced draft vocabulary base/w2 have K rows and `vocab` [K] maps the winning draft id to its target id
+    (the logits stay in draft space: q over the K hot tokens).
+    """
     use_triton = backend == "triton" or (backend == "auto" and triton is not None and base.is_cuda)
     if use_triton:
         if triton is None:
             raise RuntimeError("backend='triton' requested but triton is not installed")
-        return markov_step_triton(base, latent, w2, write_logits=True)
-    return markov_step_reference(base, latent, w2)
+        tok, logits = markov_step_triton(base, latent, w2, write_logits=True)
+    else:
+        tok, logits = markov_step_reference(base, latent, w2)
+    return (tok if vocab is None else vocab[tok]), logits

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dspark_sgl.config import DSparkConfig
-from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.model.draft import DSparkDraft, check_vocab
 from dspark_sgl.model.formats import dequantize_state_dict
 
 WEIGHTS_FILE = "model.safetensors"
@@ -99,7 +99,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         canon = canonical_name(name, own_embed)
         if canon is not None:
             out[canon] = t
-    return out
+    return vocab_map_from_t2d(out)
+
+
+def vocab_map_from_t2d(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept the speculators `t2d` [V] bool mask: d2t is derived from it (hot ids in ascending order), or checked
+    against it when both are present; t2d itself is dropped (the draft keeps only d2t)."""
+    t2d = state.pop("t2d", None)
+    if t2d is None:
+        return state
+    hot = t2d.bool().nonzero().flatten()
+    d2t = hot - torch.arange(hot.numel())
+    if "d2t" in state and not torch.equal(state["d2t"].long(), d2t):
+        raise CheckpointError("d2t and t2d disagree: they describe different draft vocabularies")
+    state["d2t"] = d2t
+    return state
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -167,6 +181,13 @@ def load_draft(
         model = DSparkDraft(config)
     state = read_state_dict(path)
     check_state_dict(model, state)
+    if config.reduced_vocab:
+        state["d2t"] = state["d2t"].long()
+        d2t = state["d2t"]
+        try:
+            check_vocab(torch.arange(d2t.numel()) + d2t, config.draft_vocab, config.vocab_size)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: d2t is not a draft vocabulary: {e}") from e
     model.load_state_dict(state, assign=True)
     return model.to(device=device, dtype=dtype).eval()
 

@@ -216,8 +216,8 @@ class MarkovHead(nn.Module):
     def __init__(self, c: DSparkConfig):
         super().__init__()
         self.kind, r, H = c.markov_head_type, c.markov_rank, c.hidden_size
-        self.markov_w1 = nn.Embedding(c.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.markov_w1 = nn.Embedding(c.vocab_size, r)  # the previous token may be any target token
+        self.markov_w2 = nn.Linear(r, c.draft_vocab, bias=False)  # the bias covers the K draft tokens
         if self.kind == "gated":
             self.gate_proj = nn.Linear(H + r, r)
         elif self.kind == "rnn":
@@ -291,6 +291,8 @@ class TargetHeads:
 
     embed_tokens: nn.Module
     lm_head: nn.Module
+    hot_weight: Tensor | None = None  # reduced vocabulary: lm_head rows of the K draft tokens, gathered at bind
+    hot_key: tuple | None = None  # (d2t version, device) the gather was made for
 
 
 MLA_ALIASES = {"fc": "context_proj", "hidden_norm": "context_norm", "norm": "final_norm"}  # GQA name -> vLLM MLA name
@@ -320,6 +322,8 @@ class DSparkDraft(nn.Module):
         # fp32 always; a plain attribute so .to(bf16) cannot round it
         self._inv_freq = mla_rope(c)[0] if c.is_mla else rope_inv_freq(c)
         self._target: TargetHeads | None = None
+        if c.reduced_vocab:  # EAGLE-3 / speculators convention: draft id i is target id i + d2t[i]
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
@@ -344,6 +348,8 @@ class DSparkDraft(nn.Module):
     def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> DSparkDraft:
         """Borrow the target's frozen embedding and lm_head (kept outside the module tree: never saved/trained)."""
         self._target = TargetHeads(embed_tokens, lm_head)
+        if self.config.reduced_vocab and not self.d2t.is_meta:
+            self.head_weight()  # gather the K hot lm_head rows now, not in the first draft step
         return self
 
     @property
@@ -357,9 +363,36 @@ class DSparkDraft(nn.Module):
             return self.embed_tokens(ids)
         return self.target.embed_tokens(ids).to(self.fc.weight.dtype)
 
-    def base_logits(self, h: Tensor) -> Tensor:
+    # ---- reduced draft vocabulary ------------------------------------------------------------------------
+    @property
+    def vocab(self) -> Tensor | None:
+        """Target ids of the K draft tokens (draft id i -> vocab[i]); None for a full-vocabulary draft."""
+        if not self.config.reduced_vocab:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, target_ids: Tensor) -> None:
+        """Make these K target ids (sorted here) the draft vocabulary: d2t[i] = target_ids[i] - i."""
+        ids = check_vocab(torch.as_tensor(target_ids, dtype=torch.long).flatten().sort().values,
+                          self.config.draft_vocab, self.config.vocab_size)
+        with torch.no_grad():
+            self.d2t.copy_((ids - torch.arange(ids.shape[0])).to(self.d2t.device))
+
+    def head_weight(self) -> Tensor:
+        """The lm_head rows the draft scores: all V, or the K hot rows (gathered once per d2t and device)."""
         head = self.target.lm_head
-        return F.linear(h.to(head.weight.dtype), head.weight).float()
+        if not self.config.reduced_vocab:
+            return head.weight
+        t = self.target
+        key = (self.d2t._version, self.d2t.data_ptr(), head.weight.device, head.weight.data_ptr())
+        if t.hot_key != key:
+            t.hot_weight = head.weight.detach()[self.vocab.to(head.weight.device)].contiguous()
+            t.hot_key = key
+        return t.hot_weight
+
+    def base_logits(self, h: Tensor) -> Tensor:
+        w = self.head_weight()
+        return F.linear(h.to(w.dtype), w).float()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -484,6 +517,17 @@ class DraftContextCache:
                 ck[b, :, s : s + m] = k[b, :, a : a + m]
                 cv[b, :, s : s + m] = v[b, :, a : a + m]
         self.lengths += counts.to(self.lengths.device)
+
+
+def check_vocab(ids: Tensor, size: int, vocab_size: int) -> Tensor:
+    """Target ids of a draft vocabulary: exactly `size` distinct ids in [0, vocab_size)."""
+    if ids.numel() != size:
+        raise ValueError(f"draft vocabulary has {ids.numel()} ids, draft_vocab_size is {size}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("draft vocabulary ids must be distinct (d2t maps two draft ids to one target id)")
+    return ids
 
 
 def num_parameters(model: nn.Module) -> int:

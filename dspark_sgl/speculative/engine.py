@@ -22,6 +22,7 @@ from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
+from dspark_sgl.speculative.timing import PHASES, StepTimer
 from dspark_sgl.targets.hf import HFTarget, TargetKV
 
 # (proposal, limit-free) -> verify lengths [B] in 1..γ+1; see dspark_sgl.speculative.scheduler
@@ -45,6 +46,7 @@ class RequestStats:
     confidence: list[list[float]] = field(default_factory=list)  # raw confidence logits per step (for STS)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    draft_split: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # with time_split
 
     @property
     def steps(self) -> int:
@@ -78,8 +80,10 @@ class Generation:
 
 
 class SpecEngine:
-    def __init__(self, target: HFTarget, draft: DSparkDraft | None = None, planner: VerifyPlanner | None = None):
-        self.target, self.draft, self.planner = target, draft, planner
+    def __init__(self, target: HFTarget, draft: DSparkDraft | None = None, planner: VerifyPlanner | None = None,
+                 time_split: bool = False):
+        """time_split: also record where each draft step's time goes (RequestStats.draft_split; syncs on CUDA)."""
+        self.target, self.draft, self.planner, self.time_split = target, draft, planner, time_split
         if draft is not None:
             draft.config.validate(target.hidden_size, target.num_layers, target.vocab_size)
             if draft.config.target_layer_ids != target.layer_ids:
@@ -165,10 +169,13 @@ class SpecEngine:
 
     def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step) -> Tensor:
         draft, gamma, outs, max_new = self.draft, self.gamma, step.outs, step.max_new
+        timer = StepTimer() if self.time_split else None
         t0 = _sync_time(anchor)
         h = draft.forward_step(anchor, ctx)
+        if timer is not None:
+            timer.seconds["backbone"] += _sync_time(h) - t0
         noise = step.noise(anchor.device)
-        prop = propose(draft, h, anchor, step.bs, noise)
+        prop = propose(draft, h, anchor, step.bs, noise, timer)
         limit = None
         n_verify = gamma + 1
         if self.planner is not None:
@@ -194,6 +201,9 @@ class SpecEngine:
                     o.stats.confidence.append(prop.conf_logits[b].tolist())
                 o.stats.draft_s += (t1 - t0) + (t3 - t2)
                 o.stats.verify_s += t2 - t1
+                if timer is not None:  # the context K/V of the committed tokens is backbone work too
+                    for k, v in timer.seconds.items():
+                        o.stats.draft_split[k] += v + (t3 - t2 if k == "backbone" else 0.0)
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
         self._emit(outs, emitted, step.stops, max_new)
         return res.bonus

@@ -24,6 +24,7 @@ from dspark_sgl.speculative.target_dist import (
     probs_from_logits,
     target_dist,
 )
+from dspark_sgl.speculative.timing import StepTimer
 
 
 def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: Tensor | None) -> Noise:
@@ -33,9 +34,10 @@ def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: T
     return Noise(generator, s.seeds, s.seeded, positions)
 
 
-def propose(draft: DSparkDraft, h: Tensor, anchor: Tensor, s: BatchSampling, noise: Noise) -> Proposal:
+def propose(draft: DSparkDraft, h: Tensor, anchor: Tensor, s: BatchSampling, noise: Noise,
+            timer: StepTimer | None = None) -> Proposal:
     temps = 0.0 if s.all_greedy else torch.where(s.greedy, 0.0, s.temperature)
-    return rollout(draft, h, anchor, temps, noise)
+    return rollout(draft, h, anchor, temps, noise, timer)
 
 
 def next_tokens(logits: Tensor, s: BatchSampling, history: OutputHistory | None, noise: Noise) -> Tensor:
@@ -56,5 +58,5 @@ def accept_rows(prop: Proposal, logits: Tensor, s: BatchSampling, limit: Tensor 
     if s.all_greedy:
         return greedy_accept(x, logits, limit)
     p = probs_from_logits(logits, s)
-    q = draft_dist(prop.logits[:, : W - 1], x, s)
+    q = draft_dist(prop.logits[:, : W - 1], x, s, prop.vocab, logits.shape[-1])  # zero outside a K-token vocab
     return ACCEPT_RULES[rule](x, q, p, limit, noise)

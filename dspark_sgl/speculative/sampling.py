@@ -32,9 +32,17 @@ def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tens
     return probs
 
 
-def draft_probs(logits: Tensor, temperature: float) -> Tensor:
-    """The draft's proposal distribution q = softmax(ℓ / T) (the draft ignores top-p, as SGLang's does)."""
-    return target_probs(logits, temperature, 1.0)
+def draft_probs(logits: Tensor, temperature: float, vocab: Tensor | None = None, vocab_size: int = 0) -> Tensor:
+    """The draft's proposal distribution q = softmax(ℓ / T) (the draft ignores top-p, as SGLang's does).
+
+    A reduced-vocabulary draft's logits cover its K tokens; `vocab` [K] places them at their target ids in a
+    [..., vocab_size] q that is zero outside the draft vocabulary, so rejection sampling's residual max(p − q, 0)
+    covers every target token.
+    """
+    q = target_probs(logits, temperature, 1.0)
+    if vocab is None:
+        return q
+    return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, vocab.to(q.device), q)
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

@@ -224,11 +224,16 @@ def target_dist(logits: Tensor, s: BatchSampling, history: OutputHistory | None 
     return probs_from_logits(adjust_logits(logits, s, history, drafts), s)
 
 
-def draft_dist(logits: Tensor, tokens: Tensor, s: BatchSampling) -> Tensor:
+def draft_dist(logits: Tensor, tokens: Tensor, s: BatchSampling, vocab: Tensor | None = None,
+               vocab_size: int | None = None) -> Tensor:
     """The draft's proposal q [B, γ, V]: softmax(ℓ / T) on sampled rows, a point mass on the greedy rollout's token
-    on greedy rows (so one acceptance rule serves both: with one-hot p and q it is exactly the greedy rule)."""
-    onehot = F.one_hot(tokens.long(), logits.shape[-1]).float()
+    on greedy rows (so one acceptance rule serves both: with one-hot p and q it is exactly the greedy rule).
+    A reduced-vocabulary draft's logits cover its K tokens (`vocab` [K] their target ids): q is zero elsewhere."""
+    V = logits.shape[-1] if vocab is None else vocab_size
+    onehot = F.one_hot(tokens.long(), V).float()
     if s.all_greedy:
         return onehot
     q = torch.softmax(logits.float() / s.temperature[:, None, None], -1)
+    if vocab is not None:
+        q = q.new_zeros(*q.shape[:-1], V).index_copy_(-1, vocab.to(q.device), q)
     return torch.where(s.greedy[:, None, None], onehot, q)
