@@ -68,31 +68,75 @@ def init_draft(
     mask_token_id: int | None = None,
     intermediate_size: int | None = None,
     seed: int = 0,
+    draft_vocab_size: Annotated[int | None, typer.Option(
+        help="K: propose from K hot target tokens (d2t); default: the full vocabulary.")] = None,
+    vocab_from: Annotated[Path | None, typer.Option(
+        help="The K tokens: a `dspark build-vocab` .json or token-sample JSONL (default: ids 0..K-1).")] = None,
 ) -> None:
     """Write a random-init draft sized for a target."""
+    import dataclasses
+
     import torch
 
     from dspark_sgl.config import ConfigError
     from dspark_sgl.loading import init_draft_config, load_tokenizer, resolve_target_dir
     from dspark_sgl.model import DSparkDraft
     from dspark_sgl.model.draft import num_parameters
+    from dspark_sgl.vocab import vocab_from as read_vocab
 
+    if vocab_from is not None and draft_vocab_size is None:
+        _fail("--vocab-from needs --draft-vocab-size")
     try:
         tdir = resolve_target_dir(target)
         ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
         cfg = init_draft_config(tdir, load_tokenizer(tdir), layers, ids, num_aux, markov_rank, markov_head,
                                 block_size, mask_token_id, intermediate_size)
+        if draft_vocab_size is not None:
+            cfg = dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
+        torch.manual_seed(seed)
+        draft = DSparkDraft(cfg)
+        if vocab_from is not None and cfg.reduced_vocab:
+            draft.set_vocab(read_vocab(vocab_from, cfg.draft_vocab, cfg.vocab_size, tdir))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    torch.manual_seed(seed)
-    draft = DSparkDraft(cfg)
     draft.save_pretrained(out)
+    vocab = f", draft vocabulary {cfg.draft_vocab} of {cfg.vocab_size}" if cfg.reduced_vocab else ""
     console.print(f"wrote {out}: {num_parameters(draft) / 1e6:.2f} M parameters, layers {cfg.target_layer_ids}, "
-                  f"mask token {cfg.mask_token_id}, γ={cfg.block_size}")
+                  f"mask token {cfg.mask_token_id}, γ={cfg.block_size}{vocab}")
+
+
+@app.command("build-vocab")
+def build_vocab(
+    data: Annotated[list[Path], typer.Option(
+        help="Token-sample JSONL ({input_ids, loss_mask} as the trainer caches, or {token_ids}); repeatable.")],
+    size: Annotated[int, typer.Option(help="K, the draft vocabulary size.")],
+    target: TARGET = "smollm2",
+    out: Annotated[Path, typer.Option(help="Vocabulary JSON to write.")] = Path("out/draft_vocab.json"),
+    heldout: Annotated[list[Path] | None, typer.Option(help="Token samples to report coverage on; repeatable.")] = None,
+) -> None:
+    """Choose K draft tokens from supervised token frequencies (+ the target's stop tokens); report coverage."""
+    from dspark_sgl.config import TargetFacts
+    from dspark_sgl.loading import resolve_target_dir
+    from dspark_sgl.vocab import choose_vocab, coverage, read_token_samples, save_vocab, stop_token_ids, token_counts
+
+    try:
+        tdir = resolve_target_dir(target)
+        V = TargetFacts.from_path(tdir).vocab_size
+        counts = token_counts((s for p in data for s in read_token_samples(p)), V)
+        ids = choose_vocab(counts, size, stop_token_ids(tdir))
+        cov = {"train": coverage(counts, ids)}
+        for p in heldout or []:
+            cov[p.stem] = coverage(token_counts(read_token_samples(p), V), ids)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    save_vocab(out, ids, V, coverage=cov, train_tokens=int(counts.sum()))
+    for name, c in cov.items():
+        console.print(f"coverage {name}: {100 * c:.2f} % of target tokens inside the {size}-token draft vocabulary")
+    console.print(f"wrote {out}")
 
 
 def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None,
-            block_size: int | None = None):
+            block_size: int | None = None, time_split: bool = True):
     from dspark_sgl.loading import load_pair
     from dspark_sgl.speculative.engine import SpecEngine
 
@@ -104,7 +148,7 @@ def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule
         planner = confidence_planner(tgt, model, sps)
     elif schedule != "static":
         _fail(f"--schedule must be static or confidence, got {schedule!r}")
-    return SpecEngine(tgt, model, planner), tok
+    return SpecEngine(tgt, model, planner, time_split=time_split), tok
 
 
 @app.command()
@@ -148,7 +192,8 @@ def generate(
     text = tok.decode(g.token_ids, skip_special_tokens=True)
     result = {"text": text, "token_ids": g.token_ids, "tau": g.stats.tau, "tokens_per_s": len(g.token_ids) / dt,
               "per_position_accept": g.stats.per_position_accept, "accept_hist": g.stats.accept_hist,
-              "draft_s": g.stats.draft_s, "verify_s": g.stats.verify_s, "speculative": engine.draft is not None}
+              "draft_s": g.stats.draft_s, "verify_s": g.stats.verify_s, "speculative": engine.draft is not None,
+              "draft_step_ms": {k: 1e3 * v / max(g.stats.steps, 1) for k, v in g.stats.draft_split.items()}}
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         return
@@ -202,6 +247,11 @@ def eval_cmd(
         table.add_row(r.name, str(r.prompts), f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}",
                       *(f"{a:.2f}" for a in r.per_position_accept))
     Console().print(table)
+    for r in reports:
+        split = ", ".join(f"{k} {v:.2f}" for k, v in r.draft_step_ms.items())
+        cov = r.draft_vocab_coverage
+        cov = "" if cov is None else f"; output tokens inside the draft vocabulary {cov:.1%}"
+        console.print(f"{r.name}: draft step ms: {split}{cov}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report_dict(reports, target=target, draft=draft, temperature=temperature,

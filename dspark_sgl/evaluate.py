@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,8 @@ class DatasetReport:
     tokens_per_s: float
     draft_s: float
     verify_s: float
+    draft_step_ms: dict[str, float] = field(default_factory=dict)  # per draft step: backbone/lm_head/markov/conf
+    draft_vocab_coverage: float | None = None  # reduced vocabulary: share of the output tokens inside it
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -49,10 +51,17 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     return out
 
 
-def summarize(name: str, gens: list[Generation], seconds: float, gamma: int) -> DatasetReport:
+def summarize(name: str, gens: list[Generation], seconds: float, gamma: int, vocab: torch.Tensor | None = None
+              ) -> DatasetReport:
     steps = [c for g in gens for c in g.stats.accepted]
     n = max(len(steps), 1)
     tokens = sum(len(g.token_ids) for g in gens)
+    phases = gens[0].stats.draft_split if gens else {}
+    split = {k: 1e3 * sum(g.stats.draft_split[k] for g in gens) / n for k in phases}
+    cov = None
+    if vocab is not None:
+        inside = torch.isin(torch.tensor([t for g in gens for t in g.token_ids], dtype=torch.long), vocab.cpu())
+        cov = float(inside.float().mean()) if inside.numel() else 1.0
     return DatasetReport(
         name=name,
         prompts=len(gens),
@@ -64,6 +73,8 @@ def summarize(name: str, gens: list[Generation], seconds: float, gamma: int) -> 
         tokens_per_s=tokens / max(seconds, 1e-9),
         draft_s=sum(g.stats.draft_s for g in gens) / max(len(gens), 1),
         verify_s=sum(g.stats.verify_s for g in gens) / max(len(gens), 1),
+        draft_step_ms=split,
+        draft_vocab_coverage=cov,
     )
 
 
@@ -84,7 +95,8 @@ def evaluate_dataset(
     for i in range(0, len(prompts), batch_size):
         gens += engine.generate(prompts[i : i + batch_size], max_new_tokens, sampling, eos)
         line.update(len(prompts[i : i + batch_size]))
-    return summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma), gens
+    vocab = engine.draft.vocab if engine.draft is not None else None
+    return summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma, vocab), gens
 
 
 def report_dict(reports: list[DatasetReport], **meta) -> dict:

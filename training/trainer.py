@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.progress import ProgressLine
+from dspark_sgl.vocab import choose_vocab, coverage, load_vocab, save_vocab, stop_token_ids, token_counts
 from training import checkpoint as ckpt
 from training.data import Sample, epoch_order, prepare_samples
 from training.objective import (
@@ -207,6 +208,8 @@ class Trainer:
         torch.manual_seed(self.recipe.train.seed)  # identical init on every rank and every world size
         draft = DSparkDraft(self.dcfg)
         self.log(warm_start(draft, self.recipe.init, self.target_dir))
+        if self.dcfg.reduced_vocab:
+            draft.set_vocab(self.draft_vocab())
         if target is not None:
             embed, head = target.embed_tokens, target.lm_head
         else:
@@ -214,6 +217,28 @@ class Trainer:
         draft = draft.to(self.d.device).bind_target(embed, head)
         module = ObjectiveModule(draft, self.recipe.objective, scale_aux=self.recipe.optim.scale_aux)
         return shard(module, compute_dtype(self.recipe, self.d.device), self.recipe.train.reshard_after_forward)
+
+    def draft_vocab(self, samples: list[Sample] | None = None) -> torch.Tensor:
+        """The run's K draft tokens: built from the samples' supervised tokens (+ stop tokens) before step 0 and
+        stored in out_dir/draft_vocab.json, which a resumed run or an export reads back (every rank derives the same
+        set, so no broadcast is needed)."""
+        path, c = self.out / "draft_vocab.json", self.dcfg
+        dist.barrier()
+        stored = path.exists()  # every rank decides before rank 0 writes
+        dist.barrier()
+        if stored:
+            return load_vocab(path, c.draft_vocab, c.vocab_size)
+        if samples is None:
+            raise FileNotFoundError(f"{path} is missing: the run's draft vocabulary is built before step 0")
+        counts = token_counts(((s.input_ids, s.loss_mask) for s in samples), c.vocab_size)
+        ids = choose_vocab(counts, c.draft_vocab, stop_token_ids(self.target_dir))
+        cov = coverage(counts, ids)
+        if self.main:
+            save_vocab(path, ids, c.vocab_size, coverage={"train": cov}, train_tokens=int(counts.sum()))
+        self.log(f"draft vocabulary: {c.draft_vocab} of {c.vocab_size} tokens cover {100 * cov:.2f} % of the "
+                 f"{int(counts.sum())} supervised training tokens ({path})")
+        dist.barrier()
+        return ids
 
     def run(self, resume: bool = False) -> Path:
         r = self.recipe
@@ -233,6 +258,8 @@ class Trainer:
 
     def _train(self, samples: list[Sample], source, target, resume: bool) -> Path:
         r, t = self.recipe, self.recipe.train
+        if self.dcfg.reduced_vocab:
+            self.draft_vocab(samples)  # before step 0; a resumed run reads the stored one back
         model = self.build_model(target)
         params = [p for p in model.parameters() if p.requires_grad]
         o = r.optim

@@ -524,7 +524,7 @@ def check_vocab(ids: Tensor, size: int, vocab_size: int) -> Tensor:
     if ids.numel() != size:
         raise ValueError(f"draft vocabulary has {ids.numel()} ids, draft_vocab_size is {size}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
     if ids.unique().numel() != ids.numel():
         raise ValueError("draft vocabulary ids must be distinct (d2t maps two draft ids to one target id)")
     return ids

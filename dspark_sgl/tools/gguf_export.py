@@ -225,6 +225,10 @@ def export_gguf(draft_dir: str | Path, out_path: str | Path, arch: str = "dflash
             "with llama-quantize (GGUF has its own formats)"
         )
     config = DSparkConfig.from_dict(raw)
+    try:
+        config.require_full_vocab("GGUF export (llama.cpp's dflash/dspark graph)")
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     sts = folder / "sts.json"
     if sts.exists() and config.sts_temperatures is None:
         config.sts_temperatures = json.loads(sts.read_text())["temperatures"]
