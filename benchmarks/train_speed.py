@@ -7,6 +7,7 @@ range of anchor counts: the full-vocabulary part of ours is chunked with gradien
 should not grow with the number of anchors; SpecForge's checkpointed 128-block chunks recompute in backward.
 
     python benchmarks/train_speed.py [--vocab 49152 --hidden 576 --seq 512 --anchors 64 128 256 --threads 1]
+                                     [--draft-vocab-sizes 49152 8192]   (ours only below V: SpecForge has no d2t)
 
 SpecForge is bench-only: `pip install --no-deps specforge==0.2.0`.
 """
@@ -51,9 +52,12 @@ def build(args):
     cfg = DSparkConfig(hidden_size=H, num_hidden_layers=args.layers, num_attention_heads=args.heads,
                        num_key_value_heads=args.kv_heads, head_dim=H // args.heads, intermediate_size=args.ffn,
                        vocab_size=V, block_size=7, target_layer_ids=list(range(args.aux)),
-                       num_target_layers=args.aux + 2, mask_token_id=V - 1, markov_rank=args.markov_rank)
+                       num_target_layers=args.aux + 2, mask_token_id=V - 1, markov_rank=args.markov_rank,
+                       draft_vocab_size=args.point_vocab)
     torch.manual_seed(0)
     draft = DSparkDraft(cfg)
+    if cfg.reduced_vocab:  # a random hot set: most labels fall outside it, which costs nothing extra
+        draft.set_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(2))[:cfg.draft_vocab])
     embed, lm_head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
     nn.init.normal_(lm_head.weight, std=1 / math.sqrt(H))
     embed.requires_grad_(False), lm_head.requires_grad_(False)
@@ -104,7 +108,8 @@ def measure(args) -> dict:
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     t = sorted(times)[len(times) // 2]
-    return {"impl": args.impl, "anchors": args.point_anchors, "slots": slots, "step_s": t,
+    return {"impl": args.impl, "draft_vocab": args.point_vocab, "anchors": args.point_anchors, "slots": slots,
+            "step_s": t,
             "anchor_tokens_per_s": slots / t, "peak_rss_mib": rss_mib(), "peak_over_base_mib": rss_mib() - base}
 
 
@@ -142,24 +147,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impls", nargs="+", default=["ours", "specforge"])
+    ap.add_argument("--draft-vocab-sizes", type=int, nargs="+", default=None, help="K values (default: V only)")
     ap.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "train_speed.json"))
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--point-anchors", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--point-vocab", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.impl:  # a child measuring one point
         print(json.dumps(measure(args)))
         return
     rows = []
-    for n in args.anchors:
-        for impl in args.impls:
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--impl", impl, "--point-anchors", str(n)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"{impl} @ {n} anchors failed:\n{out.stderr[-2000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            r = rows[-1]
-            print(f"{impl:>9} anchors {n:4d}: {r['anchor_tokens_per_s']:8.0f} anchor-tok/s, step {r['step_s']:.2f} s, "
-                  f"peak RSS {r['peak_rss_mib']:.0f} MiB (+{r['peak_over_base_mib']:.0f} over base)", flush=True)
+    for K in args.draft_vocab_sizes or [args.vocab]:
+        for n in args.anchors:
+            for impl in args.impls:
+                if impl == "specforge" and K != args.vocab:
+                    continue  # SpecForge's DSpark trainer has no reduced vocabulary
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--impl", impl, "--point-anchors", str(n),
+                       "--point-vocab", str(K)]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode:
+                    raise SystemExit(f"{impl} @ K={K}, {n} anchors failed:\n{out.stderr[-2000:]}")
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                r = rows[-1]
+                print(f"{impl:>9} K {K:6d} anchors {n:4d}: {r['anchor_tokens_per_s']:8.0f} anchor-tok/s, step "
+                      f"{r['step_s']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB (+{r['peak_over_base_mib']:.0f} "
+                      "over base)", flush=True)
     meta = {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "seq", "batch", "chunk_rows", "threads")}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

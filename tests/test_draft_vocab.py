@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark_sgl.config import ConfigError, DSparkConfig
+from dspark_sgl.config import ConfigError
 from dspark_sgl.model import DSparkDraft
 from dspark_sgl.model.checkpoint import CheckpointError, load_draft
 from dspark_sgl.speculative.accept import ACCEPT_RULES
@@ -302,3 +302,30 @@ def test_vocabulary_counts_supervised_tokens_keeps_stop_tokens_and_reports_cover
         choose_vocab(counts, 1, required={0, 1})
     with pytest.raises(VocabError, match="outside the target vocabulary"):
         token_counts([([12], None)], 10)
+
+
+KERNEL_CHECK = r"""
+import torch
+from dspark_sgl.kernels.markov_step import markov_step, markov_step_reference
+g = torch.Generator().manual_seed(0)
+V = 5000
+for B, K, R in [(2, 300, 16), (3, 1100, 40)]:
+    vocab = torch.randperm(V, generator=g)[:K].sort().values
+    base, lat, w2 = torch.randn(B, K, generator=g), torch.randn(B, R, generator=g), torch.randn(K, R, generator=g)
+    tok, logits = markov_step(base, lat, w2, backend="triton", vocab=vocab)
+    ref_idx, ref_logits = markov_step_reference(base, lat, w2)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert logits.shape == (B, K) and torch.equal(tok, vocab[ref_idx]), (tok, vocab[ref_idx])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_markov_step_on_k_rows_in_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
