@@ -29,7 +29,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "eval" / "gsm8k.jsonl"))
+    ap.add_argument("--data", default="../shared/data/eval/gsm8k.jsonl")
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=10)

@@ -329,3 +329,37 @@ def test_triton_markov_step_on_k_rows_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+# ---- the recipe key --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_recipe_builds_the_vocabulary_before_step_0_and_resume_reuses_it(tmp_path):
+    import shutil
+
+    from dspark_sgl.vocab import stop_token_ids
+    from tests.test_trainer import run_training, weights, write_recipe
+    from training.tiny import build_tiny_target, mask_token_id, tiny_conversations
+
+    target = build_tiny_target(tmp_path / "target")
+    data = tmp_path / "conv.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(24)))
+    tiny = {"target": str(target), "data": str(data), "mask": mask_token_id(target)}
+    K = 64
+    rec = write_recipe(tiny, tmp_path / "a", draft={"draft_vocab_size": K}, train={"max_steps": 4, "save_every": 2})
+    out = run_training(rec)
+    run = tmp_path / "a" / "run"
+    assert f"draft vocabulary: {K} of" in out.stdout
+    stored = json.loads((run / "draft_vocab.json").read_text())
+    ids = torch.tensor(stored["target_ids"])
+    assert ids.numel() == K and set(stop_token_ids(target)) <= set(ids.tolist())
+    assert 0.5 < stored["coverage"]["train"] <= 1.0
+    w = weights(run)
+    assert torch.equal(torch.arange(K) + w["d2t"], ids) and w["markov_head.markov_w2.weight"].shape[0] == K
+    # resume from step 2: nothing is rebuilt (the stored vocabulary and the checkpoint's d2t carry the run's set)
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "step-00000004")
+    shutil.rmtree(run / "draft")
+    (ckpts / "latest").write_text("step-00000002\n")
+    out = run_training(rec, "--resume")
+    assert "resumed from step 2" in out.stdout and "draft vocabulary:" not in out.stdout
+    assert torch.equal(torch.arange(K) + weights(run)["d2t"], ids)

@@ -208,7 +208,7 @@ class Trainer:
         torch.manual_seed(self.recipe.train.seed)  # identical init on every rank and every world size
         draft = DSparkDraft(self.dcfg)
         self.log(warm_start(draft, self.recipe.init, self.target_dir))
-        if self.dcfg.reduced_vocab:
+        if self.dcfg.reduced_vocab and not self.recipe.init.draft:  # a warm-start draft brings its own d2t
             draft.set_vocab(self.draft_vocab())
         if target is not None:
             embed, head = target.embed_tokens, target.lm_head
@@ -258,7 +258,7 @@ class Trainer:
 
     def _train(self, samples: list[Sample], source, target, resume: bool) -> Path:
         r, t = self.recipe, self.recipe.train
-        if self.dcfg.reduced_vocab:
+        if self.dcfg.reduced_vocab and not r.init.draft:
             self.draft_vocab(samples)  # before step 0; a resumed run reads the stored one back
         model = self.build_model(target)
         params = [p for p in model.parameters() if p.requires_grad]
