@@ -24,6 +24,8 @@ def check_weights(path: str | Path, config: DSparkConfig) -> None:
     if not index:
         raise ConfigError(f"draft folder {path} has no *.safetensors weights")
     shapes = {canonical_name(n): shape for n, (_, shape) in index.items() if canonical_name(n) is not None}
+    if "t2d" in shapes and "d2t" not in shapes:  # a speculators t2d mask: the loader derives d2t from it
+        shapes["d2t"] = (config.draft_vocab,)
     with torch.device("meta"):
         expected = {k: tuple(t.shape) for k, t in DSparkDraft(config).state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
