@@ -363,3 +363,42 @@ def test_recipe_builds_the_vocabulary_before_step_0_and_resume_reuses_it(tmp_pat
     out = run_training(rec, "--resume")
     assert "resumed from step 2" in out.stdout and "draft vocabulary:" not in out.stdout
     assert torch.equal(torch.arange(K) + weights(run)["d2t"], ids)
+
+
+# ---- the commands ----------------------------------------------------------------------------------------------
+def test_build_vocab_init_draft_generate_and_eval_commands(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_sgl.cli import app
+    from training.tiny import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "target", hidden=32, layers=4)
+    run = lambda *a: CliRunner().invoke(app, [str(x) for x in a])  # noqa: E731
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"input_ids": list(range(i, i + 30)), "loss_mask": [1] * 30}) + "\n"
+                               for i in range(0, 200, 10)))
+    vocab = tmp_path / "vocab.json"
+    res = run("build-vocab", "--data", samples, "--size", 64, "--target", target, "--out", vocab,
+              "--heldout", samples)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(vocab.read_text())
+    assert rec["draft_vocab_size"] == 64 and rec["coverage"]["samples"] == rec["coverage"]["train"]
+    draft = tmp_path / "draft"
+    res = run("init-draft", "--target", target, "--out", draft, "--layers", 1, "--markov-rank", 8, "--block-size", 4,
+              "--num-aux", 2, "--draft-vocab-size", 64, "--vocab-from", vocab)
+    assert res.exit_code == 0 and "draft vocabulary 64 of" in res.output, res.output
+    assert torch.equal(load_draft(draft).vocab, torch.tensor(rec["target_ids"]))
+    gen = lambda *a: json.loads(run("generate", "--target", target, "--chat", "one two three", "--max-new-tokens",
+                                    12, "--dtype", "float32", "--json", *a).stdout.strip().splitlines()[-1])
+    out = gen("--draft", draft)
+    assert out["token_ids"] == gen("--no-draft")["token_ids"]  # lossless at T = 0
+    assert set(out["draft_step_ms"]) == {"backbone", "lm_head", "markov", "confidence"}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"turns": ["a b c"]}) + "\n")
+    report = tmp_path / "report.json"
+    res = run("eval", "--target", target, "--draft", draft, "--data", data, "--max-new-tokens", 8, "--dtype",
+              "float32", "--json-out", report)
+    assert res.exit_code == 0 and "draft step ms: backbone" in res.output, res.output
+    ds = json.loads(report.read_text())["datasets"][0]
+    assert 0.0 <= ds["draft_vocab_coverage"] <= 1.0 and ds["draft_step_ms"]["lm_head"] > 0
+    assert run("init-draft", "--target", target, "--out", tmp_path / "x", "--vocab-from", vocab).exit_code == 2
