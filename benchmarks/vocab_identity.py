@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--data", default="../shared/data/eval/gsm8k.jsonl")
     ap.add_argument("--limit", type=int, default=50)
+    ap.add_argument("--skip", type=int, default=0, help="start at this prompt (split a run over processes)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
@@ -40,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, draft, tok = load_pair("smollm2", args.draft, "float32")
     eos = eos_ids(tok, target)
-    prompts = [encode_prompt(tok, t, chat=True) for t in read_prompts(args.data, args.limit)]
+    prompts = [encode_prompt(tok, t, chat=True) for t in read_prompts(args.data, args.limit)[args.skip:]]
     runs = {}
     for name, engine in (("plain", SpecEngine(target)), ("dspark", SpecEngine(target, draft, time_split=True))):
         t0, gens = time.perf_counter(), []
@@ -55,7 +56,8 @@ def main() -> None:
     vocab = draft.vocab
     cov = float(torch.isin(out_tokens, vocab).float().mean()) if vocab is not None else 1.0
     split = {k: 1e3 * sum(g.stats.draft_split[k] for g in spec) / max(len(steps), 1) for k in spec[0].stats.draft_split}
-    res = {"prompts": len(prompts), "identical": same, "tau": 1 + sum(steps) / max(len(steps), 1),
+    res = {"prompts": len(prompts), "first_prompt": args.skip, "identical": same,
+           "tau": 1 + sum(steps) / max(len(steps), 1),
            "draft_vocab": draft.config.draft_vocab, "heldout_coverage": cov, "draft_step_ms": split,
            "plain_s": runs["plain"][1], "dspark_s": runs["dspark"][1]}
     print(json.dumps(res, indent=1))
