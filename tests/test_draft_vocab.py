@@ -186,7 +186,8 @@ def test_reduced_engine_samples_equal_the_target_distribution(acceptance):
             prm.normal_(0, 0.5)
     prompt, n = [1, 2, 3], 6000
     exact = exact_three_token_distribution(model, prompt, 1.0, 1.0, V)
-    out = SpecEngine(target, draft).generate([prompt] * n, 3, SamplingConfig(temperature=1.0, top_p=1.0, acceptance=acceptance, seed=7))
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, acceptance=acceptance, seed=7)
+    out = SpecEngine(target, draft).generate([prompt] * n, 3, sampling)
     seqs = torch.tensor([o.token_ids for o in out])
     counts = torch.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3)
     assert chi2_pvalue(counts, exact) > 1e-3
