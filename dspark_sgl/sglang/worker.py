@@ -20,10 +20,10 @@ dspark_sgl.speculative; SGLang supplies the verify window, the verify forward, t
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -37,6 +37,7 @@ from torch import Tensor
 
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
+from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
 from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.traffic import TrafficRecorder
@@ -59,12 +60,8 @@ class DSparkWorker(BaseSpecWorker):
         self._draft_worker = None  # no SGLang draft runner: the draft is a plain torch module
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
-        if mambaish_config(self.model_runner.model_config) is not None:
-            raise ValueError(
-                "dspark-sgl's DSPARK worker does not yet roll back linear-attention (KDA/GDN/Mamba) state after a "
-                "verify step; serve this hybrid target with SGLang's builtin DSPARK (leave 'dspark' out of "
-                "SGLANG_PLUGINS)"
-            )
+        # linear-attention hybrids (K3/Kimi-Linear KDA, GDN, Mamba): recurrent-state commit after verify (hybrid.py)
+        self.hybrid = HybridState(self.model_runner) if is_hybrid(self.model_runner) else None
         spec = get_spec()
         self.draft = load_draft(spec.speculative_draft_model_path, device=self.device, dtype=self.model_runner.dtype)
         self.gamma = self.draft.config.block_size
@@ -209,7 +206,8 @@ class DSparkWorker(BaseSpecWorker):
 
         verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         if self.planner.needs_profile(bs):
-            self._profile_sps(batch, draft_input, verify_ids)
+            with self._hybrid_preserved(batch):  # extra verifies must not move a hybrid's recurrent state
+                self._profile_sps(batch, draft_input, verify_ids)
         lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
             lengths = torch.full_like(lengths, W)
@@ -223,6 +221,8 @@ class DSparkWorker(BaseSpecWorker):
         self.planner.record(lengths, w, acc.num_accepted)
 
         c = acc.num_accepted
+        if self.hybrid is not None:  # before any other target forward: the commit reads this verify's metadata
+            self.hybrid.commit(batch, seq_lens, c + 1)
         cols = torch.arange(W, device=self.device)[None]
         out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
         out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
@@ -258,6 +258,9 @@ class DSparkWorker(BaseSpecWorker):
             model_runner=self.model_runner,
             seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
         )
+
+    def _hybrid_preserved(self, batch):
+        return self.hybrid.preserved(batch) if self.hybrid is not None else nullcontext()
 
     def _profile_sps(self, batch, draft_input, verify_ids: Tensor) -> None:
         """Time the target verify forward of this very batch at widths 1..γ+1 (SPS on the live engine). Each probe

@@ -91,3 +91,6 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, make_backend_class(), HookType.REPLACE)
+    from dspark_sgl.sglang.cpu import kda
+
+    kda.register(HookRegistry, HookType)  # KDA + MLA hybrids (Kimi-Linear / K3) on CPU
