@@ -63,7 +63,8 @@ def setup(smollm2_dir, tmp_path_factory):
 def test_reduced_vocab_draft_is_lossless_in_sglang(setup):
     target_dir, ids, plain, draft = setup
     args = ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)]
-    with Server(target_dir, args) as s:
+    # static verify: the accept length must not depend on an SPS table measured live on a busy box
+    with Server(target_dir, args, env={"SGLANG_RAGGED_VERIFY_MODE": "static"}) as s:
         outs = s.generate(ids, MAX_NEW)
         sampled = s.generate(ids[:3], MAX_NEW, temperature=0.8, top_p=0.95)
     assert [o["output_ids"] for o in outs] == plain
