@@ -31,6 +31,7 @@ from tests.test_sampling import chi2_pvalue  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # the first test sets up all three servers (~9 min on a loaded 2-core box)
     pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (point DSPARK_SGL_VENV at it)"),
 ]
 
@@ -56,6 +57,7 @@ SAMPLED = {
     "min_new_tokens 2": dict(temperature=1.0, min_new_tokens=2),
 }
 BLOCK_SETS = ["T=0.7", "rep 1.3 + freq 0.5 + pres 0.3", "top-k 3 + top-p 0.8"]
+GREEDY = dict(temperature=0.0)  # SGLang's default temperature is 1.0: greedy must be asked for
 SEED_PARAMS = dict(temperature=1.0, sampling_seed=4321)
 
 
@@ -68,9 +70,9 @@ def generate(server: Server, prompts, params: list[dict], max_new: int) -> list[
 
 def run_all(server: Server, sets: list[str]) -> dict:
     """Greedy penalty sets, then every sampled set at once (mixed with greedy rows), seeds, refusals."""
-    res = {"greedy": {name: generate(server, PROMPTS, [p] * len(PROMPTS), 24) for name, p in
+    res = {"greedy": {name: generate(server, PROMPTS, [{**GREEDY, **p}] * len(PROMPTS), 24) for name, p in
                       {"none": {}, **PENALTIES}.items()}}
-    greedy = dict(repetition_penalty=1.3, frequency_penalty=0.5)
+    greedy = dict(GREEDY, repetition_penalty=1.3, frequency_penalty=0.5)
     params = [SAMPLED[name] for name in sets for _ in range(N)] + [greedy] * 16
     outs = generate(server, [PROMPT] * len(params), params, 3)
     res["sampled"] = {name: outs[i * N:(i + 1) * N] for i, name in enumerate(sets)}
@@ -101,7 +103,11 @@ def target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(target) -> dict:
-    with Server(target, ["--random-seed", "1"]) as s:
+    """The same server without speculation. Overlap scheduling off, as DSPARK runs on CPU: with it on, SGLang 0.5.23
+    counts penalties one step late in pure-decode batches (`cumulate_penalty_output_tokens` reads `req.output_ids`
+    before the previous step's token is in; the first decode counts the prompt's last token), so its greedy output
+    with a penalty depends on batch timing (measured: frequency 0.5 matched the exact definition on 1/6 prompts)."""
+    with Server(target, ["--random-seed", "1", "--disable-overlap-schedule"]) as s:
         return run_all(s, list(SAMPLED))
 
 
@@ -171,28 +177,21 @@ def homogeneity(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 REPORT: dict[str, str] = {}
-# Open (see the h/i18 report): on this tiny target SGLang's own greedy output differs from transformers' and the
-# first (SGLang-sampled) token differs between the plain and the DSPARK server, and the block + confidence run
-# exceeded pytest's 600 s on a loaded box. Kept out of the gating stage until diagnosed, not weakened.
-OPEN = pytest.mark.skip(reason="issue 18 open: tiny-target greedy mismatch (plain vs HF vs DSPARK) under diagnosis")
 
 
-@OPEN
 @pytest.mark.parametrize("name", list(PENALTIES) + ["none"])
 def test_greedy_with_each_penalty_is_identical_to_plain(plain, dspark, dspark_block, name):
-    for res in (dspark, dspark_block):
-        same = sum(a == b for a, b in zip(res["greedy"][name], plain["greedy"][name], strict=True))
-        REPORT[f"T=0 {name}"] = f"{same}/{len(PROMPTS)}"
-        assert same == len(PROMPTS), name
+    same = [sum(a == b for a, b in zip(res["greedy"][name], plain["greedy"][name], strict=True))
+            for res in (dspark, dspark_block)]
+    REPORT[f"T=0 {name}"] = f"dspark {same[0]}/{len(PROMPTS)}, block+confidence {same[1]}/{len(PROMPTS)}"
+    assert same == [len(PROMPTS)] * 2, name
     assert all(len(o) == 24 for o in dspark["greedy"][name])
 
 
-@OPEN
 def test_greedy_rows_in_the_mixed_sampled_batch_are_identical_to_plain(plain, dspark):
     assert dspark["mixed_greedy"] == plain["mixed_greedy"]
 
 
-@OPEN
 @pytest.mark.parametrize("name", list(SAMPLED))
 def test_served_distribution_equals_plain_under_each_parameter(target, plain, dspark, dspark_block, name):
     exact = exact_joint(target, SAMPLED[name])
@@ -217,7 +216,6 @@ def test_the_dropped_penalty_bug_is_caught(target, dspark):
     assert chi2_pvalue(counts(dspark["sampled"]["rep 1.3 + freq 0.5 + pres 0.3"]), no_pen) < 1e-6
 
 
-@OPEN
 def test_drafts_were_accepted_and_the_schedules_ran(dspark, dspark_block):
     assert dspark["info"]["schedule"] == "static" and dspark_block["info"]["schedule"] == "confidence"
     assert dspark["info"]["mean_accepted_drafts"] > 0.2 and dspark_block["info"]["mean_accepted_drafts"] > 0.2
