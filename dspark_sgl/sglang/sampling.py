@@ -86,7 +86,7 @@ class BatchSamplingCache:
         self._value: BatchSampling | None = None
 
     def get(self, reqs) -> BatchSampling:
-        key = tuple(id(r) for r in reqs)
+        key = tuple(r.rid for r in reqs)  # not id(): a new Req can take a freed one's address
         if key != self._key:
             rows = [request_sampling(r, self.deterministic) for r in reqs]
             # torch Sampler: joint top-k/top-p/min-p; FlashInfer: joint top-k/top-p, sequential once min-p is on
