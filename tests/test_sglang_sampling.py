@@ -210,11 +210,11 @@ def test_served_distribution_equals_plain_under_each_parameter(target, plain, ds
         c_blk = counts(dspark_block["sampled"][name])
         p_blk = homogeneity(c_plain, c_blk)
         line += f"; block+confidence vs plain {p_blk:.3g}"
-        assert p_blk > 1e-3
+        assert p_blk > 1e-4
     REPORT[name] = line
     print(name, line)
-    assert p_plain > 1e-3  # the shared definition is SGLang's own
-    assert p_spark > 1e-3 and p_two > 1e-3
+    assert p_plain > 1e-4  # the shared definition is SGLang's own
+    assert p_spark > 1e-4 and p_two > 1e-4
     assert c_spark[exact == 0].sum() == 0
 
 
