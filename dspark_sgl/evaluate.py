@@ -30,19 +30,27 @@ class DatasetReport:
     draft_vocab_coverage: float | None = None  # reduced vocabulary: share of the output tokens inside it
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+def iter_jsonl(path: str | Path, what: str, error: type[Exception] = ValueError,
+               missing: type[Exception] = FileNotFoundError):
+    """(line number, record) of a JSONL file, blank lines skipped; a missing file or a bad line is one error."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"eval data {path} does not exist")
-    out = []
+        raise missing(f"{what} {path} does not exist")
     for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
+        if line.strip():
+            try:
+                yield i + 1, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{i + 1} is not JSON: {e}") from e
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    out = []
+    for n, rec in iter_jsonl(path, "eval data"):
         try:
-            rec = json.loads(line)
             turn = rec["turns"][0]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-            raise ValueError(f"{path}:{i + 1} is not a {{\"turns\": [...]}} record: {e}") from e
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}:{n} is not a {{\"turns\": [...]}} record: {e}") from e
         out.append(turn if isinstance(turn, str) else turn.get("content", ""))
         if limit is not None and len(out) >= limit:
             break

@@ -62,23 +62,16 @@ def coverage(counts: Tensor, ids: Tensor) -> float:
 def read_token_samples(path: str | Path) -> list[tuple[list[int], list[bool] | None]]:
     """JSONL of token samples: the trainer's {"input_ids", "loss_mask"} caches, or {"token_ids"} records (generated
     tokens, e.g. `dspark generate --json`; every token counts)."""
-    path = Path(path)
-    if not path.exists():
-        raise VocabError(f"vocabulary data {path} does not exist")
+    from dspark_sgl.evaluate import iter_jsonl
+
     out = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise VocabError(f"{path}:{i + 1} is not JSON: {e}") from e
+    for n, rec in iter_jsonl(path, "vocabulary data", VocabError, VocabError):
         if "input_ids" in rec and "loss_mask" in rec:
             out.append((rec["input_ids"], rec["loss_mask"]))
         elif "token_ids" in rec:
             out.append((rec["token_ids"], None))
         else:
-            raise VocabError(f"{path}:{i + 1} has neither input_ids + loss_mask nor token_ids")
+            raise VocabError(f"{path}:{n} has neither input_ids + loss_mask nor token_ids")
     if not out:
         raise VocabError(f"{path} holds no samples")
     return out
