@@ -46,12 +46,35 @@ def run(server: ServeCommand, prompts: list[list[int]], max_new: int, concurrenc
     return outs, time.perf_counter() - t0
 
 
+def step_record(server: ServeCommand) -> dict | None:
+    """The DSPARK worker's per-phase step clock from /server_info (None on plain / NGRAM servers)."""
+    info = server.get("/server_info")["internal_states"][0].get("dspark_info_record")
+    return None if info is None else info["step_ms"]
+
+
+def pass_breakdown(before: dict, after: dict, secs: float) -> dict:
+    """Mean ms per decode step and phase over one pass (from the cumulative means before and after it), and the
+    wall ms per step the client saw: the difference is the scheduler's own time outside the worker."""
+    n0, n1 = before["decode_steps_timed"], after["decode_steps_timed"]
+    steps = max(n1 - n0, 1)
+    ms = {p: (after["ms_per_step"][p] * n1 - before["ms_per_step"][p] * n0) / steps for p in after["ms_per_step"]}
+    return {"steps": n1 - n0, "ms_per_step": ms, "worker_ms": sum(ms.values()), "wall_ms": secs * 1e3 / steps}
+
+
 def measure(server: ServeCommand, sets: dict[str, list[list[int]]], max_new: int,
-            concurrencies: list[int]) -> dict[tuple[str, int], tuple[list[dict], float]]:
-    """Warm up once, then every (dataset, concurrency) pass on this server."""
+            concurrencies: list[int]) -> tuple[dict[tuple[str, int], tuple[list[dict], float]], dict]:
+    """Warm up once, then every (dataset, concurrency) pass on this server; with each pass's step breakdown when
+    the server runs our DSPARK worker."""
     first = next(iter(sets.values()))
     run(server, first[:2], 16, 1)
-    return {(name, c): run(server, prompts, max_new, c) for name, prompts in sets.items() for c in concurrencies}
+    passes, breakdown = {}, {}
+    for name, prompts in sets.items():
+        for c in concurrencies:
+            before = step_record(server)
+            passes[(name, c)] = outs, secs = run(server, prompts, max_new, c)
+            if before is not None:
+                breakdown[(name, c)] = pass_breakdown(before, step_record(server), secs)
+    return passes, breakdown
 
 
 def row(method: str, outs: list[dict], secs: float, plain: tuple[list[dict], float], reference: list[dict],
@@ -79,6 +102,9 @@ def main(
     = None,
     ngram_tokens: Annotated[list[int] | None, typer.Option(help="NGRAM draft-token budgets to try (default 4, 8).")]
     = None,
+    draft_dtype: Annotated[list[str] | None, typer.Option(help="DSPARK draft dtypes to run, repeatable (default: the "
+                                                          "target's, fp32); e.g. --draft-dtype float32 "
+                                                          "--draft-dtype bfloat16")] = None,
     device: str = "cpu",
     json_out: Path = Path("out/bench/sglang_speed.json"),
 ) -> None:
@@ -98,7 +124,7 @@ def main(
         return ServeCommand(Path(target), serve_args=[*common, *args], log_path=Path(f"/tmp/dspark-bench-{log}.log"))
 
     with serve("--no-draft", log="plain") as s:
-        plain = measure(s, sets, max_new_tokens, concurrencies)
+        plain, _ = measure(s, sets, max_new_tokens, concurrencies)
     if draft == "bigram":
         seqs = [p + o["output_ids"] for name, ps in sets.items()
                 for p, o in zip(ps, plain[(name, concurrencies[0])][0], strict=True)]
@@ -107,18 +133,22 @@ def main(
     for k in ngram_tokens:
         with serve("--no-draft", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
                    log=f"ngram{k}") as s:
-            ngram[k] = measure(s, sets, max_new_tokens, concurrencies)
-    with serve("--draft", str(Path(draft).resolve()), log="dspark") as s:
-        dspark = measure(s, sets, max_new_tokens, concurrencies)
-        info = s.get("/server_info")["internal_states"][0].get("dspark_info_record") or {}
+            ngram[k], _ = measure(s, sets, max_new_tokens, concurrencies)
+    dspark, breakdown, info = {}, {}, {}
+    for dt in draft_dtype or ["float32"]:
+        with serve("--draft", str(Path(draft).resolve()), "--draft-dtype", dt, log=f"dspark-{dt}") as s:
+            dspark[dt], breakdown[dt] = measure(s, sets, max_new_tokens, concurrencies)
+            info[dt] = s.get("/server_info")["internal_states"][0].get("dspark_info_record") or {}
 
     results = []
     for key, base in plain.items():
         ref = plain[(key[0], concurrencies[0])][0]
         tried = [row(f"NGRAM k={k}", *ngram[k][key], base, ref, {"draft_tokens": k}) for k in ngram_tokens]
         best = max(tried, key=lambda r: r["tok_s"])
-        rows = [row("plain", *base, base, ref), best, row("DSPARK", *dspark[key], base, ref)]
-        results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried})
+        rows = [row("plain", *base, base, ref), best]
+        rows += [row(f"DSPARK draft {dt}", *dspark[dt][key], base, ref, {"draft_dtype": dt}) for dt in dspark]
+        results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried,
+                        "dspark_step": {dt: b.get(key) for dt, b in breakdown.items()}})
     result = {
         "target": target, "draft": draft, "device": device, "dtype": "float32", "prompts_per_set": limit,
         "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info,
@@ -133,9 +163,28 @@ def main(
             table.add_row(res["data"], str(res["concurrency"]), r["method"], f"{r['tok_s']:.2f}",
                           f"{r['ratio']:.2f}x", acc, f"{r['identical']}/{r['prompts']}")
     Console().print(table)
+    print_breakdown(results, plain)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
     Console(stderr=True).print(f"wrote {json_out}")
+
+
+def print_breakdown(results: list[dict], plain: dict) -> None:
+    """DSPARK decode step, ms per phase, next to a plain decode step (≈ wall ms per step of full batches)."""
+    lines = [(r, dt, b) for r in results for dt, b in r["dspark_step"].items() if b]
+    if not lines:
+        return
+    phases = list(lines[0][2]["ms_per_step"])
+    table = Table(title="DSPARK decode step: where the milliseconds go (worker phases; wall = client-seen per step)")
+    for col in ("data", "conc.", "draft", "steps", *phases, "worker", "wall", "plain step ≈"):
+        table.add_column(col, justify="left" if col in ("data", "draft") else "right")
+    for r, dt, b in lines:
+        outs, secs = plain[(r["data"], r["concurrency"])]
+        plain_ms = secs * 1e3 * r["concurrency"] / max(sum(len(o["output_ids"]) for o in outs), 1)
+        table.add_row(r["data"], str(r["concurrency"]), dt, str(b["steps"]),
+                      *(f"{b['ms_per_step'][p]:.1f}" for p in phases),
+                      f"{b['worker_ms']:.1f}", f"{b['wall_ms']:.1f}", f"{plain_ms:.1f}")
+    Console().print(table)
 
 
 if __name__ == "__main__":

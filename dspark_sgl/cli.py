@@ -349,6 +349,8 @@ def serve(
     target: TARGET = "smollm2",
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target, or SGLang's own algorithm.")] = False,
     dtype: DTYPE = "auto",
+    draft_dtype: Annotated[str | None, typer.Option(help="Draft dtype (default: the target's; auto, bfloat16, ...); "
+                                                         "lossless either way: only the target decides.")] = None,
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     host: str = "127.0.0.1",
     port: int = 30000,
@@ -361,7 +363,8 @@ def serve(
     if (draft is None) != no_draft:
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
-        cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args))
+        cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
+                          draft_dtype=draft_dtype)
         if python is not None:
             cfg.python = python
         cmd, env = prepare(cfg)

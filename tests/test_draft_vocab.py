@@ -403,3 +403,16 @@ def test_build_vocab_init_draft_generate_and_eval_commands(tmp_path):
     ds = json.loads(report.read_text())["datasets"][0]
     assert 0.0 <= ds["draft_vocab_coverage"] <= 1.0 and ds["draft_step_ms"]["lm_head"] > 0
     assert run("init-draft", "--target", target, "--out", tmp_path / "x", "--vocab-from", vocab).exit_code == 2
+
+
+def test_a_bf16_draft_beside_an_fp32_target_scores_its_hot_rows_in_bf16_and_stays_lossless():
+    """The draft dtype lever: only the target decides, so a cheaper draft dtype changes speed, never output."""
+    target = HFTarget(tiny_llama(), [0, 2])
+    ref = SpecEngine(target).generate(PROMPTS, 16)
+    torch.manual_seed(1)
+    draft = reduced(target, list(range(0, 64, 2)), block_size=5).to(torch.bfloat16)
+    out = SpecEngine(target, draft).generate(PROMPTS, 16)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    hot = draft.head_weight()
+    assert hot.dtype == torch.bfloat16 and hot.shape[0] == 32
+    assert torch.equal(hot.float(), draft.target.lm_head.weight[draft.vocab].to(torch.bfloat16).float())

@@ -99,3 +99,32 @@ def test_cli_exits_2_with_one_line_naming_the_extra(folders, monkeypatch):
     neither = runner.invoke(app, ["serve", "--target", str(target)])
     for res in (both, neither):
         assert res.exit_code == 2 and "exactly one of --draft DIR or --no-draft" in res.output
+
+
+def test_draft_dtype_travels_in_the_override_args_merged_with_the_users(folders, monkeypatch):
+    import json
+
+    target, draft = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, dtype="float32", draft_dtype="bfloat16"))
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_draft_dtype": "bfloat16"}
+    user = ["--json-model-override-args", json.dumps({"dspark_traffic": {"dir": "/tmp/t"}})]
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, draft_dtype="auto", extra=user))
+    assert cmd.count("--json-model-override-args") == 1
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_traffic": {"dir": "/tmp/t"},
+                                                                     "dspark_draft_dtype": "auto"}
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft))
+    assert "--json-model-override-args" not in cmd  # default: the draft runs in the target's dtype
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(draft_dtype="fp7"), "--draft-dtype must be one of"),
+    (dict(draft_dtype="bfloat16", no_draft=True), "--draft-dtype needs --draft"),
+    (dict(draft_dtype="bfloat16", extra=["--json-model-override-args", "{oops"]), "must be one JSON object"),
+])
+def test_bad_draft_dtype_settings_are_one_clear_error(folders, monkeypatch, kwargs, message):
+    target, draft = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    draft = None if kwargs.pop("no_draft", False) else draft
+    with pytest.raises(serve.ServeError, match=message):
+        serve.prepare(serve.ServeConfig(target, draft, **kwargs))

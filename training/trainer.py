@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,10 +192,26 @@ class Trainer:
         self.dcfg = draft_config(recipe, target_config(recipe))
         self.target_dir = resolve_target_path(recipe.target.path)
         self.main = self.d.rank == 0
+        self.phase_s: dict[str, float] = {}  # wall seconds by phase (rank 0's view), printed and saved at the end
 
     def log(self, msg: str) -> None:
         if self.main:
             print(msg, flush=True)
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
+
+    def report_phases(self) -> None:
+        total = sum(self.phase_s.values())
+        self.log("wall time by phase: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in self.phase_s.items())
+                 + f" | total {total / 60:.1f} min")
+        if self.main:
+            (self.out / "phases.json").write_text(json.dumps({**self.phase_s, "total": total}, indent=2) + "\n")
 
     # -- data --
     def prepare_data(self, target) -> tuple[list[Sample], int]:
@@ -249,8 +266,11 @@ class Trainer:
                                             pad_id=0, recipe_path=self.recipe_path, overrides=self.overrides,
                                             out_dir=self.out)
         try:
-            samples, source.pad_id = self.prepare_data(target)
-            return self._train(samples, source, target, resume)
+            with self.phase("data"):  # tokenise, or regenerate the responses with the target
+                samples, source.pad_id = self.prepare_data(target)
+            folder = self._train(samples, source, target, resume)
+            self.report_phases()
+            return folder
         finally:
             source.close()
             for p in procs:
@@ -259,7 +279,8 @@ class Trainer:
     def _train(self, samples: list[Sample], source, target, resume: bool) -> Path:
         r, t = self.recipe, self.recipe.train
         if self.dcfg.reduced_vocab and not r.init.draft:
-            self.draft_vocab(samples)  # before step 0; a resumed run reads the stored one back
+            with self.phase("vocab"):
+                self.draft_vocab(samples)  # before step 0; a resumed run reads the stored one back
         model = self.build_model(target)
         params = [p for p in model.parameters() if p.requires_grad]
         o = r.optim
@@ -282,25 +303,28 @@ class Trainer:
                  f"warmup {warmup} | {self.d.device}")
         logger = MetricLogger(r, self.out, self.main, steps, start)
         publisher = Publisher(r.publish, self.out, self.log) if r.publish.every_steps else None
-        for step in range(start, steps):
-            micro = plan.micro_batches(step, self.d.rank)
-            ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
-            source.submit([it for mb in micro + ahead for it in mb])  # engines prefetch the next step meanwhile
-            metrics = self.train_step(model, params, optim, sched, step, micro, source)
-            logger.step(step, metrics, sched.get_last_lr()[0])
-            done = step + 1
-            if (t.save_every and done % t.save_every == 0) or done == steps:
-                ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
-                                     {"position": done * t.global_batch, "epoch": done * t.global_batch //
-                                      len(samples), "inflight": source.pending()}, keep=t.keep_checkpoints)
-            if publisher is not None and r.publish.due(done):  # export is collective; rank 0 pushes
-                folder = self.export(model, publisher.folder(done))
-                if self.main:
-                    publisher.publish(folder, done)
-        logger.close()
-        folder = self.export(model, self.out / "draft")
+        with self.phase("train"):  # steps, checkpoints and publishing
+            for step in range(start, steps):
+                micro = plan.micro_batches(step, self.d.rank)
+                ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
+                source.submit([it for mb in micro + ahead for it in mb])  # engines prefetch the next step meanwhile
+                metrics = self.train_step(model, params, optim, sched, step, micro, source)
+                logger.step(step, metrics, sched.get_last_lr()[0])
+                done = step + 1
+                if (t.save_every and done % t.save_every == 0) or done == steps:
+                    ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
+                                         {"position": done * t.global_batch, "epoch": done * t.global_batch //
+                                          len(samples), "inflight": source.pending()}, keep=t.keep_checkpoints)
+                if publisher is not None and r.publish.due(done):  # export is collective; rank 0 pushes
+                    folder = self.export(model, publisher.folder(done))
+                    if self.main:
+                        publisher.publish(folder, done)
+            logger.close()
+        with self.phase("export"):
+            folder = self.export(model, self.out / "draft")
         if self.main and r.eval.datasets:
-            final_eval(r, folder, self.out / "eval.json", self.log)
+            with self.phase("eval"):
+                final_eval(r, folder, self.out / "eval.json", self.log)
         dist.barrier()
         return folder
 

@@ -291,8 +291,9 @@ class TargetHeads:
 
     embed_tokens: nn.Module
     lm_head: nn.Module
+    hot_dtype: torch.dtype | None = None  # dtype of the gathered hot rows (None: the lm_head's own)
     hot_weight: Tensor | None = None  # reduced vocabulary: lm_head rows of the K draft tokens, gathered at bind
-    hot_key: tuple | None = None  # (d2t version, device) the gather was made for
+    hot_key: tuple | None = None  # (d2t version, device, dtype) the gather was made for
 
 
 MLA_ALIASES = {"fc": "context_proj", "hidden_norm": "context_norm", "norm": "final_norm"}  # GQA name -> vLLM MLA name
@@ -345,9 +346,12 @@ class DSparkDraft(nn.Module):
         save_draft(self, path)
 
     # ---- target heads ------------------------------------------------------------------------------------
-    def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> DSparkDraft:
-        """Borrow the target's frozen embedding and lm_head (kept outside the module tree: never saved/trained)."""
-        self._target = TargetHeads(embed_tokens, lm_head)
+    def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module, hot_dtype: torch.dtype | None = None
+                    ) -> DSparkDraft:
+        """Borrow the target's frozen embedding and lm_head (kept outside the module tree: never saved/trained).
+        hot_dtype: the dtype the K hot rows of a reduced vocabulary are gathered in (default: the lm_head's); a
+        serving draft cheaper than its target (bf16 beside fp32) passes its own, so it scores them at its speed."""
+        self._target = TargetHeads(embed_tokens, lm_head, hot_dtype)
         if self.config.reduced_vocab and not self.d2t.is_meta:
             self.head_weight()  # gather the K hot lm_head rows now, not in the first draft step
         return self
@@ -379,14 +383,16 @@ class DSparkDraft(nn.Module):
             self.d2t.copy_((ids - torch.arange(ids.shape[0])).to(self.d2t.device))
 
     def head_weight(self) -> Tensor:
-        """The lm_head rows the draft scores: all V, or the K hot rows (gathered once per d2t and device)."""
+        """The lm_head rows the draft scores: all V (the target's own tensor), or the K hot rows, gathered once per
+        d2t, device and dtype (see bind_target)."""
         head = self.target.lm_head
         if not self.config.reduced_vocab:
             return head.weight
         t = self.target
-        key = (self.d2t._version, self.d2t.data_ptr(), head.weight.device, head.weight.data_ptr())
+        dtype = t.hot_dtype or head.weight.dtype
+        key = (self.d2t._version, self.d2t.data_ptr(), head.weight.device, head.weight.data_ptr(), dtype)
         if t.hot_key != key:
-            t.hot_weight = head.weight.detach()[self.vocab.to(head.weight.device)].contiguous()
+            t.hot_weight = head.weight.detach()[self.vocab.to(head.weight.device)].to(dtype).contiguous()
             t.hot_key = key
         return t.hot_weight
 

@@ -8,6 +8,7 @@ probed first so that a missing install is one clear error naming the extra.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -37,12 +38,17 @@ class ServeConfig:
     port: int = 30000
     python: Path = field(default_factory=lambda: Path(sys.executable))
     extra: list[str] = field(default_factory=list)  # passed to SGLang verbatim, last
+    draft_dtype: str | None = None  # None: the target's; a bf16 draft beside an fp32 target stays lossless
 
     def validate(self) -> None:
         if self.device not in DEVICES:
             raise ServeError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ServeError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
+            raise ServeError(f"--draft-dtype must be one of {DTYPE_NAMES}, got {self.draft_dtype!r}")
+        if self.draft_dtype is not None and self.draft is None:
+            raise ServeError("--draft-dtype needs --draft")
         if not 0 < self.port < 65536:
             raise ServeError(f"--port must be in 1..65535, got {self.port}")
         if not self.python.is_file():
@@ -63,7 +69,20 @@ def server_args(cfg: ServeConfig) -> list[str]:
         args += CPU_SERVER_ARGS
     if cfg.draft is not None:
         args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(cfg.draft.resolve())]
-    return args + list(cfg.extra)
+    extra = list(cfg.extra)
+    if cfg.draft_dtype is not None:  # the worker reads it from the override args (merged with the user's own)
+        flag = "--json-model-override-args"
+        at = extra.index(flag) + 1 if flag in extra else None
+        try:
+            override = json.loads(extra[at]) if at is not None else {}
+        except (json.JSONDecodeError, IndexError) as e:
+            raise ServeError(f"{flag} must be one JSON object: {e}") from None
+        override["dspark_draft_dtype"] = cfg.draft_dtype
+        if at is None:
+            args += [flag, json.dumps(override)]
+        else:
+            extra[at] = json.dumps(override)
+    return args + extra
 
 
 def prepare(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:

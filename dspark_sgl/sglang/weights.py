@@ -104,7 +104,7 @@ def build_release(serving: DSparkDraft, config: DSparkConfig, state: dict[str, T
     draft.load_state_dict({k: t.to(ref.dtype) for k, t in state.items()}, assign=True)
     draft = draft.to(device=ref.device, dtype=ref.dtype).eval()
     if serving._target is not None:
-        draft.bind_target(serving.target.embed_tokens, serving.target.lm_head)
+        draft.bind_target(serving.target.embed_tokens, serving.target.lm_head, serving.target.hot_dtype)
     return Release(draft, config.sts_temperatures, sps, version, step, source)
 
 

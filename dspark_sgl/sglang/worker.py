@@ -19,6 +19,7 @@ dspark_sgl.speculative; SGLang supplies the verify window, the verify forward, t
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -35,11 +36,13 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify_window
 from torch import Tensor
 
+from dspark_sgl.dtypes import dtype_name, resolve_dtype
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
 from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
+from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
 from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
@@ -47,6 +50,16 @@ from dspark_sgl.speculative.sps import profile_sps
 from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
+DRAFT_DTYPE_KEY = "dspark_draft_dtype"  # in --json-model-override-args; `dspark serve --draft-dtype` sets it
+
+
+def draft_dtype(target_dtype: torch.dtype, device) -> torch.dtype:
+    """The draft's dtype: the target's, unless the override names one (`auto`: bf16 where the hardware multiplies
+    it natively). Only the target decides tokens, so the draft's dtype changes speed and acceptance, never output."""
+    from sglang.srt.runtime_context import get_model
+
+    name = json.loads(get_model().json_model_override_args or "{}").get(DRAFT_DTYPE_KEY)
+    return target_dtype if name is None else resolve_dtype(str(name), device, what=DRAFT_DTYPE_KEY)
 
 
 class DSparkWorker(BaseSpecWorker):
@@ -63,7 +76,8 @@ class DSparkWorker(BaseSpecWorker):
         # linear-attention hybrids (K3/Kimi-Linear KDA, GDN, Mamba): recurrent-state commit after verify (hybrid.py)
         self.hybrid = HybridState(self.model_runner) if is_hybrid(self.model_runner) else None
         spec = get_spec()
-        self.draft = load_draft(spec.speculative_draft_model_path, device=self.device, dtype=self.model_runner.dtype)
+        self.draft_dtype = draft_dtype(self.model_runner.dtype, self.device)
+        self.draft = load_draft(spec.speculative_draft_model_path, device=self.device, dtype=self.draft_dtype)
         self.gamma = self.draft.config.block_size
         self.verify_width = self.gamma + 1
         if int(spec.speculative_num_draft_tokens) != self.verify_width:
@@ -84,15 +98,17 @@ class DSparkWorker(BaseSpecWorker):
         self.sampling = BatchSamplingCache(self.model_runner.model_config.vocab_size, self.device,
                                            ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
         self.planner = VerifyPlanner.from_server_args(spec, self.draft)
+        self.times = StepTimes(self.device)
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context)
         self.traffic = TrafficRecorder.from_server_args()
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
-            "%s verify schedule",
+            "%s verify schedule, draft dtype %s",
             self.gamma,
             self.draft.config.target_layer_ids,
             "block" if self.block_verification else "token-wise rejection",
             self.planner.policy,
+            dtype_name(self.draft_dtype),
         )
 
     def __getattr__(self, name):  # like the builtin: anything else the scheduler asks is the target worker's
@@ -110,17 +126,17 @@ class DSparkWorker(BaseSpecWorker):
 
             weight = tensor_model_parallel_all_gather(weight, dim=0)
         weight = weight[: self.draft.config.vocab_size]
-        self.draft.bind_target(embed, SimpleNamespace(weight=weight))
+        self.draft.bind_target(embed, SimpleNamespace(weight=weight), hot_dtype=self.draft_dtype)
 
     # ---- hooks the scheduler calls on a DSPARK worker -------------------------------------------------------
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
         pool = self.model_runner.token_to_kv_pool
-        self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.model_runner.dtype)
+        self.context = DraftContextPool(self.draft, pool.size + pool.page_size, self.device, self.draft_dtype)
         self.slot_tokens = SlotTokens(pool.size + pool.page_size, self.device)
 
     def dump_info_records(self) -> dict:
-        info = self.planner.info()
+        info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
         if self.traffic is not None:
             self.traffic.sweep()
@@ -129,6 +145,7 @@ class DSparkWorker(BaseSpecWorker):
 
     def clear_info_records(self) -> None:
         self.planner.clear()
+        self.times.clear()
 
     def block_accept_estimate_log_suffix(self):
         return None
@@ -195,6 +212,7 @@ class DSparkWorker(BaseSpecWorker):
     def _forward_decode(self, batch, on_publish) -> GenerationBatchResult:
         draft_input: DFlashDraftInputV2 = batch.spec_info
         bs, W = len(batch.seq_lens), self.verify_width
+        self.times.start()
         seq_lens = batch.seq_lens.long()
         anchor = draft_input.bonus_tokens.view(-1).long()
         rows = self.sampling.get(batch.reqs)
@@ -202,23 +220,29 @@ class DSparkWorker(BaseSpecWorker):
 
         ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens)
         h = self.draft.forward_step(anchor, ctx)
+        self.times.mark("draft")
         prop = propose(self.draft, h, anchor, rows, noise)
+        self.times.mark("rollout")
 
         verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         if self.planner.needs_profile(bs):
             with self._hybrid_preserved(batch):  # extra verifies must not move a hybrid's recurrent state
                 self._profile_sps(batch, draft_input, verify_ids)
+        self.times.mark("probe")
         lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
             lengths = torch.full_like(lengths, W)
         lengths = self._cap_stale(lengths, ctx.stale)
         w = W if batch.return_logprob else int(lengths.max())  # the longest scheduled prefix of every request
         window = self._window(batch, draft_input, w)
+        self.times.mark("schedule")
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
+        self.times.mark("verify")
         logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens)
         rule = "block" if self.block_verification else "rejection"
         acc = accept_rows(prop, logits, rows, lengths - 1, noise, rule)
         self.planner.record(lengths, w, acc.num_accepted)
+        self.times.mark("accept")
 
         c = acc.num_accepted
         if self.hybrid is not None:  # before any other target forward: the commit reads this verify's metadata
@@ -235,6 +259,7 @@ class DSparkWorker(BaseSpecWorker):
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
         new_seq_lens = seq_lens + c + 1
+        self.times.mark("commit")
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(

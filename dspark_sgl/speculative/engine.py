@@ -90,7 +90,7 @@ class SpecEngine:
                 raise ValueError(
                     f"target captures layers {target.layer_ids} but the draft expects {draft.config.target_layer_ids}"
                 )
-            draft.bind_target(target.embed_tokens, target.lm_head)
+            draft.bind_target(target.embed_tokens, target.lm_head, hot_dtype=draft.fc.weight.dtype)
 
     @property
     def gamma(self) -> int:
