@@ -63,10 +63,12 @@ def pass_breakdown(before: dict, after: dict, secs: float) -> dict:
 
 def measure(server: ServeCommand, sets: dict[str, list[list[int]]], max_new: int,
             concurrencies: list[int]) -> tuple[dict[tuple[str, int], tuple[list[dict], float]], dict]:
-    """Warm up once, then every (dataset, concurrency) pass on this server; with each pass's step breakdown when
-    the server runs our DSPARK worker."""
+    """Warm up at every concurrency, then every (dataset, concurrency) pass on this server; with each pass's step
+    breakdown when the server runs our DSPARK worker. Warming at each concurrency keeps one-time costs out of the
+    timed passes (DSPARK measures its SPS table once per batch-size bucket on the live engine: ~14 s at 4)."""
     first = next(iter(sets.values()))
-    run(server, first[:2], 16, 1)
+    for c in concurrencies:
+        run(server, first[:max(c, 2)], 16, c)
     passes, breakdown = {}, {}
     for name, prompts in sets.items():
         for c in concurrencies:
