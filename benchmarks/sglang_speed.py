@@ -53,12 +53,11 @@ def step_record(server: ServeCommand) -> dict | None:
 
 
 def pass_breakdown(before: dict, after: dict, secs: float) -> dict:
-    """Mean ms per decode step and phase over one pass (from the cumulative means before and after it), and the
+    """Mean ms per decode step and phase over one pass (the worker's cumulative sums before and after it), and the
     wall ms per step the client saw: the difference is the scheduler's own time outside the worker."""
-    n0, n1 = before["decode_steps_timed"], after["decode_steps_timed"]
-    steps = max(n1 - n0, 1)
-    ms = {p: (after["ms_per_step"][p] * n1 - before["ms_per_step"][p] * n0) / steps for p in after["ms_per_step"]}
-    return {"steps": n1 - n0, "ms_per_step": ms, "worker_ms": sum(ms.values()), "wall_ms": secs * 1e3 / steps}
+    n = after["decode_steps_timed"] - before["decode_steps_timed"]
+    ms = {p: (t - before["total_ms"][p]) / max(n, 1) for p, t in after["total_ms"].items()}
+    return {"steps": n, "ms_per_step": ms, "worker_ms": sum(ms.values()), "wall_ms": secs * 1e3 / max(n, 1)}
 
 
 def measure(server: ServeCommand, sets: dict[str, list[list[int]]], max_new: int,

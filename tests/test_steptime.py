@@ -26,6 +26,7 @@ def test_means_per_phase_show_where_the_time_went():
     assert ms["verify"] >= 10 and ms["draft"] >= 10  # 20 ms in one of two steps each
     assert ms["accept"] < 5
     assert info["total_ms_per_step"] == pytest.approx(sum(ms.values()), abs=0.01)
+    assert info["total_ms"]["verify"] == pytest.approx(2 * ms["verify"], abs=0.01)
 
 
 def test_a_step_that_stops_midway_is_not_counted_and_clear_resets():
@@ -35,7 +36,7 @@ def test_a_step_that_stops_midway_is_not_counted_and_clear_resets():
     assert times.info()["decode_steps_timed"] == 1
     times.clear()
     assert times.info() == {"decode_steps_timed": 0, "ms_per_step": dict.fromkeys(PHASES, 0.0),
-                            "total_ms_per_step": 0.0}
+                            "total_ms_per_step": 0.0, "total_ms": dict.fromkeys(PHASES, 0.0)}
 
 
 def test_phases_must_be_marked_in_order():
