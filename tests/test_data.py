@@ -130,3 +130,49 @@ def test_epoch_order_and_collate():
     ids, mask, lengths, sids = collate([Sample(7, [1, 2, 3], [False, True, True]), Sample(9, [4], [True])], 0)
     assert ids.tolist() == [[1, 2, 3], [4, 0, 0]] and lengths.tolist() == [3, 1] and sids.tolist() == [7, 9]
     assert mask.tolist() == [[False, True, True], [True, False, False]]
+
+
+# ---- mixtures and decontamination --------------------------------------------------------------------------
+def test_decontaminate_drops_exact_and_13_word_overlaps_but_not_boilerplate():
+    from training.data import decontaminate
+
+    tail = " Please reason step by step, and put your final answer within the box as usual."
+    evals = ["Janet has 16 ducks that lay eggs every single day of the week and she sells them." + tail,
+             "A robe takes 2 bolts of blue fiber and half that much white fiber to make." + tail,
+             "Write a function that returns the sum of two numbers a and b.",
+             "Unrelated question one." + tail]  # the tail is in 3 prompts: boilerplate
+    recs = [
+        (1, {"turns": ["janet has 16 ducks that lay eggs, every single day of the week and she sells them!" + tail]}),
+        (2, {"turns": ["Tell me: a robe takes 2 bolts of blue fiber and half that much white fiber. Go."]}),
+        (3, {"turns": ["Tom has 3 boxes." + tail]}),  # shares only the boilerplate tail
+        (4, {"conversations": [{"from": "human", "value": "hello there"},
+                               {"from": "gpt", "value": "hi"},
+                               {"from": "human", "value": evals[2]}]}),  # a later user turn counts too
+        (5, {"turns": ["Write a function that returns the product of two numbers."]}),
+    ]
+    kept, dropped = decontaminate(recs, evals)
+    assert [i for i, _ in kept] == [3, 5] and dropped == 3
+
+
+def test_mixture_ids_regeneration_flags_and_exclusion(tmp_path):
+    from training.data import SOURCE_ID_STRIDE, ExcludeConfig, SourceConfig, mixture
+
+    (tmp_path / "math.jsonl").write_text("".join(
+        json.dumps({"turns": [f"question number {i} about apples and pears in a large basket on the table"]}) + "\n"
+        for i in range(6)))
+    chat = [{"conversations": [{"from": "human", "value": f"chat {i}"}, {"from": "gpt", "value": "ok"}]}
+            for i in range(3)]
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    (evals / "e.jsonl").write_text(json.dumps({"turns": ["question number 3 about apples and pears in a large "
+                                                         "basket on the table"]}) + "\n")
+    cfg = DataConfig(train=str(tmp_path / "math.jsonl"), skip_samples=1, max_samples=4,
+                     regenerate=RegenerateConfig(enabled=True),
+                     mix=[SourceConfig(train=str(tmp_path / "chat.json"), regenerate=False)],
+                     exclude=ExcludeConfig(files=[str(evals)], first=1))
+    regen, as_is = mixture(cfg, log=lambda _: None)
+    assert [i for i, _ in regen] == [1, 2, 4]  # record 3 is an evaluation prompt
+    assert [i for i, _ in as_is] == [SOURCE_ID_STRIDE + i for i in range(3)]
+    with pytest.raises(DataError, match="does not exist"):
+        mixture(DataConfig(train=str(tmp_path / "math.jsonl"), exclude=ExcludeConfig(files=[str(tmp_path / "x")])))

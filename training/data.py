@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,25 @@ class RegenerateConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One more data source of a mixture (`data.mix`): the same keys as the primary source in `data`."""
+
+    train: str
+    split: str = "train"
+    skip_samples: int = 0
+    max_samples: int | None = None
+    regenerate: bool = True  # with data.regenerate.enabled: the target answers this source's user turns
+
+
+@dataclass
+class ExcludeConfig:
+    """Evaluation prompts no training record may contain (exact text or a shared 13-word run; `decontaminate`)."""
+
+    files: list[str] = field(default_factory=list)  # .jsonl eval files ({"turns": [...]}) or folders of them
+    first: int | None = 50  # the evaluated head of each file (None: every prompt of the file)
+
+
+@dataclass
 class DataConfig:
     train: str = "sharegpt"  # "sharegpt" (offline package), a local .json/.jsonl/.parquet/dir, or a hub dataset name
     split: str = "train"
@@ -50,6 +70,15 @@ class DataConfig:
     min_supervised: int = 2  # samples with fewer supervised tokens are dropped
     cache_dir: str | None = None  # tokenized / regenerated samples; default <out_dir>/data
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    mix: list[SourceConfig] = field(default_factory=list)  # further sources; source j's ids start at j·10⁷
+    exclude: ExcludeConfig = field(default_factory=ExcludeConfig)
+
+    def sources(self) -> list[SourceConfig]:
+        """The primary source (train/split/skip/max, regenerated when regeneration is on) then `mix`."""
+        return [SourceConfig(self.train, self.split, self.skip_samples, self.max_samples), *self.mix]
+
+
+SOURCE_ID_STRIDE = 10_000_000  # sample id = source index · stride + record index: unique across a mixture
 
 
 @dataclass
@@ -94,7 +123,7 @@ def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
         yield obj
 
 
-def load_records(cfg: DataConfig) -> list[dict]:
+def load_records(cfg: DataConfig | SourceConfig) -> list[dict]:
     """Raw records from the configured source (skip_samples, then at most max_samples)."""
     src = cfg.train
     stop = None if cfg.max_samples is None else cfg.skip_samples + cfg.max_samples
@@ -149,6 +178,8 @@ def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
             if role is None or not isinstance(content, str):
                 continue
             out.append({"role": role, "content": content})
+        while out and out[0]["role"] == "assistant":  # a reply to nothing (ShareGPT has some): no prompt to render
+            out.pop(0)
         return out
     if "turns" in record:
         return [{"role": "user", "content": t} for t in record["turns"][:1]]
@@ -159,6 +190,59 @@ def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
             msgs.append({"role": "assistant", "content": answer})
         return msgs
     raise DataError(f"record has none of conversations/messages/turns/prompt: keys {sorted(record)}")
+
+
+# ---- decontamination ---------------------------------------------------------------------------------------
+NGRAM = 13  # words: the usual contamination window (a shared 13-word run is no accident)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def _ngrams(words: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1)}
+
+
+def eval_prompts(cfg: ExcludeConfig) -> list[str]:
+    """Every user turn of the evaluated head (`first`) of each eval file named in cfg.files (folders: *.jsonl)."""
+    out = []
+    for entry in cfg.files:
+        p = Path(entry)
+        for f in sorted(p.glob("*.jsonl")) if p.is_dir() else [p]:
+            if not f.exists():
+                raise DataError(f"data.exclude names {f}, which does not exist")
+            with f.open() as fh:
+                lines = [x for x in fh if x.strip()]
+            for line in lines[: cfg.first]:
+                out += [m["content"] for m in to_messages(json.loads(line)) if m["role"] == "user"]
+                out += [t for t in json.loads(line).get("turns", [])[1:] if isinstance(t, str)]
+    return out
+
+
+def decontaminate(records: list[tuple[int, dict]], prompts: list[str]) -> tuple[list[tuple[int, dict]], int]:
+    """Drop records whose user turns equal an eval prompt (ignoring case and punctuation) or share a 13-word run
+    of its content with one. Words inside a 6-word run that 3 or more eval prompts share are boilerplate (GSM8K's
+    "Please reason step by step, and put your final answer within \\boxed{}"), not content. Returns (kept, dropped)."""
+    texts = [_words(t) for t in prompts]
+    exact, counts = {" ".join(w) for w in texts}, {}
+    for words in texts:  # boilerplate = words inside a 6-word run that 3+ eval prompts share
+        for g in {tuple(words[i:i + 6]) for i in range(len(words) - 5)}:
+            counts[g] = counts.get(g, 0) + 1
+    grams = set()
+    for words in texts:  # content runs only: a run touching a boilerplate word (e.g. "...a week? Please reason") is not
+        boiler = [False] * len(words)
+        for i in range(len(words) - 5):
+            if counts[tuple(words[i:i + 6])] >= 3:
+                boiler[i:i + 6] = [True] * 6
+        grams |= {tuple(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1) if not any(boiler[i:i + NGRAM])}
+    kept = []
+    for i, rec in records:
+        users = [_words(m["content"]) for m in to_messages(rec) if m["role"] == "user"]
+        if any(" ".join(w) in exact or not grams.isdisjoint(_ngrams(w)) for w in users):
+            continue
+        kept.append((i, rec))
+    return kept, len(records) - len(kept)
 
 
 # ---- tokenisation with the chat template -------------------------------------------------------------------
@@ -198,16 +282,33 @@ def _append(tokenizer, ids, mask, done: str, text: str, supervised: bool) -> Non
     mask.extend([supervised] * len(new))
 
 
-def tokenize_records(tokenizer, records: list[dict], cfg: DataConfig, start_id: int = 0) -> list[Sample]:
+def tokenize_records(tokenizer, records: list[dict] | list[tuple[int, dict]], cfg: DataConfig,
+                     start_id: int = 0) -> list[Sample]:
+    """Samples of records as they are (no regeneration); records may be (id, record) pairs or numbered from start_id."""
     samples = []
     for i, rec in enumerate(records):
+        sid, rec = rec if isinstance(rec, tuple) else (start_id + i, rec)
         msgs = to_messages(rec)
         if not any(m["role"] == "assistant" for m in msgs):
             continue
         ids, mask = encode_conversation(tokenizer, msgs, cfg.max_length)
         if sum(mask) >= cfg.min_supervised:
-            samples.append(Sample(start_id + i, ids, mask))
+            samples.append(Sample(sid, ids, mask))
     return samples
+
+
+def mixture(cfg: DataConfig, log=print) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+    """(records to regenerate, records to tokenise as they are), each (sample id, record), decontaminated."""
+    prompts = eval_prompts(cfg.exclude)
+    regen, keep = [], []
+    for j, src in enumerate(cfg.sources()):
+        records = [(j * SOURCE_ID_STRIDE + src.skip_samples + i, r) for i, r in enumerate(load_records(src))]
+        records, dropped = decontaminate(records, prompts) if prompts else (records, 0)
+        if prompts:
+            log(f"data: {src.train}: {len(records)} records, {dropped} dropped as overlapping "
+                f"{len(prompts)} evaluation prompts")
+        (regen if cfg.regenerate.enabled and src.regenerate else keep).extend(records)
+    return regen, keep
 
 
 # ---- on-policy regeneration --------------------------------------------------------------------------------
@@ -375,15 +476,14 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
     need = not final.exists()  # every rank decides before anyone writes
     barrier()
     if need:
-        records = load_records(cfg)
-        if cfg.regenerate.enabled:
+        to_regen, as_is = mixture(cfg, log)
+        if to_regen:
             if model_for_generation is None:  # the engine runs elsewhere: load the target here just for this
                 from transformers import AutoModelForCausalLM
 
                 model_for_generation = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
             done = read_cache(*cache_dir.glob("regen-*.jsonl"))
-            mine = [(cfg.skip_samples + i, r) for i, r in enumerate(records)
-                    if i % world == rank and cfg.skip_samples + i not in done]
+            mine = [(i, r) for n, (i, r) in enumerate(to_regen) if n % world == rank and i not in done]
             t0 = time.time()
             log(f"regenerating {len(mine)} responses with the target (rank {rank}; {len(done)} cached)")
             from dspark_sgl.progress import ProgressLine
@@ -392,12 +492,11 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
             regenerate(model_for_generation, tokenizer, mine, cfg.regenerate, cache_dir / f"regen-{rank}.jsonl",
                        cfg.max_length, progress=line.update)
             log(f"regenerated in {time.time() - t0:.0f}s")
-            barrier()
-            if rank == 0:
-                got = read_cache(*cache_dir.glob("regen-*.jsonl"))
-                write_samples(final, [got[i] for i in sorted(got) if got[i].num_supervised >= cfg.min_supervised])
-        elif rank == 0:
-            write_samples(final, tokenize_records(tokenizer, records, cfg, start_id=cfg.skip_samples))
+        barrier()
+        if rank == 0:
+            got = read_cache(*cache_dir.glob("regen-*.jsonl"))
+            got.update({smp.id: smp for smp in tokenize_records(tokenizer, as_is, cfg)})
+            write_samples(final, [got[i] for i in sorted(got) if got[i].num_supervised >= cfg.min_supervised])
     barrier()
     samples = sorted(read_cache(final).values(), key=lambda s: s.id)
     if not samples:

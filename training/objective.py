@@ -45,6 +45,10 @@ class ObjectiveConfig:
     l1_weight: float = 0.9
     bce_weight: float = 1.0
     vocab_chunk_rows: int = 256  # rows of [rows, V] fp32 buffers alive at once
+    # 0: the target's exact distribution per row (its V-wide head on every supervised slot). k > 0: a sparse
+    # teacher, computed once per sample position (and cached with the capture across epochs): the k most likely
+    # tokens plus the mass of the rest, scored as one lumped token (see `Teacher`).
+    teacher_topk: int = 0
 
     def __post_init__(self) -> None:
         if self.num_anchors < 1:
@@ -53,8 +57,46 @@ class ObjectiveConfig:
             raise ValueError(f"gamma_decay must be > 0, got {self.gamma_decay}")
         if self.vocab_chunk_rows < 1:
             raise ValueError(f"vocab_chunk_rows must be >= 1, got {self.vocab_chunk_rows}")
+        if self.teacher_topk < 0:
+            raise ValueError(f"teacher_topk must be >= 0 (0 = exact), got {self.teacher_topk}")
         if min(self.ce_weight, self.l1_weight, self.bce_weight) < 0:
             raise ValueError("loss weights must be >= 0")
+
+
+@dataclass
+class Teacher:
+    """The target's next-token distribution at each position, kept sparse: its k most likely tokens and the rest.
+
+    Why: the target is frozen, so its distribution at a position never changes, yet the exact objective recomputes
+    it (a V-wide head, ~15 V-wide elementwise passes) for every supervised slot of every anchor of every epoch. Kept
+    as top-k (ids, probs) + the remaining mass, it costs k·8 bytes per position and is computed once per sample.
+    The objective scores L1 over the partition {each top-k token} ∪ {everything else, lumped}: a lower bound of the
+    exact L1 that is short by at most 2·rest, and exact when k covers the support (tests/test_objective.py).
+    """
+
+    ids: Tensor  # [..., k] long: target token ids, most likely first
+    probs: Tensor  # [..., k] fp32
+    rest: Tensor  # [...] fp32: 1 − Σ probs
+
+    def to(self, device) -> Teacher:
+        return Teacher(self.ids.to(device), self.probs.to(device), self.rest.to(device))
+
+    def __getitem__(self, index) -> Teacher:
+        return Teacher(self.ids[index], self.probs[index], self.rest[index])
+
+
+@torch.no_grad()
+def sparse_teacher(last_hidden: Tensor, lm_head_weight: Tensor, k: int, chunk: int = 256) -> Teacher:
+    """Top-k of softmax(lm_head(last_hidden)) row by row ([n, H] -> Teacher of [n, k]), in chunks of rows."""
+    n = last_hidden.shape[0]
+    ids = torch.zeros(n, k, dtype=torch.long, device=last_hidden.device)
+    probs = torch.zeros(n, k, dtype=torch.float32, device=last_hidden.device)
+    for s in range(0, n, chunk):
+        logits = F.linear(last_hidden[s:s + chunk].to(lm_head_weight.dtype), lm_head_weight).float()
+        top = logits.topk(k, dim=-1)
+        probs[s:s + chunk] = (top.values - torch.logsumexp(logits, -1, keepdim=True)).exp()
+        ids[s:s + chunk] = top.indices
+    return Teacher(ids, probs, (1 - probs.sum(-1)).clamp(min=0))
 
 
 @dataclass
@@ -66,12 +108,14 @@ class Batch:
     lengths: Tensor  # [B] long: unpadded lengths
     sample_ids: Tensor  # [B] long: stable ids (anchor seeds, de-duplication, resume)
     aux_hidden: Tensor  # [B, S, K·H] target capture
-    last_hidden: Tensor  # [B, S, H] target post-final-norm hidden
+    last_hidden: Tensor | None  # [B, S, H] target post-final-norm hidden (None when `teacher` replaces it)
+    teacher: Teacher | None = None  # [B, S, k] sparse target distribution (objective.teacher_topk > 0)
 
     def to(self, device) -> Batch:
         """The batch on `device` (sample ids stay on the host: they key seeds and ledgers)."""
+        move = lambda t: None if t is None else t.to(device)
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.sample_ids,
-                     self.aux_hidden.to(device), self.last_hidden.to(device))
+                     self.aux_hidden.to(device), move(self.last_hidden), move(self.teacher))
 
 
 @dataclass
@@ -138,13 +182,42 @@ def block_targets(batch: Batch, anchors: Tensor, valid: Tensor, gamma: int) -> t
 
 
 # ---- the full-vocabulary part ------------------------------------------------------------------------------
+def _exact_teacher(tgt: Tensor, lm: Tensor, lm_full: Tensor | None, vocab: Tensor | None):
+    """(q [c, K], top None, outside [c], rest [c], argmax [c]) from the target's head on post-norm hidden rows."""
+    full = F.linear(tgt.to((lm if vocab is None else lm_full).dtype), lm if vocab is None else lm_full).float()
+    argmax = full.argmax(-1)
+    if vocab is None:
+        q = full.sub_(full.amax(-1, keepdim=True)).exp_()
+        q = q.div_(q.sum(-1, keepdim=True))
+        outside = q.new_zeros(q.shape[0])
+    else:  # restricted to S; the target's mass outside S is never accepted
+        q = full[:, vocab].sub_(torch.logsumexp(full, -1)[:, None]).exp_()
+        outside = (1 - q.sum(-1)).clamp_(min=0)
+    return q, None, outside, outside.new_zeros(q.shape[0]), argmax
+
+
+def _sparse_teacher(t: Teacher, index: Tensor | None, K: int):
+    """The same five from a sparse teacher: q scattered onto the K draft columns, `top` marks its tokens there."""
+    col = t.ids if index is None else index[t.ids]  # draft column of each top-k token (−1: outside S)
+    inset = col >= 0
+    col = col.masked_fill(~inset, K)  # a spare column K takes the tokens outside S, then is cut off
+    q = t.probs.new_zeros(t.probs.shape[0], K + 1).scatter_(1, col, t.probs)[:, :K]
+    top = torch.zeros(q.shape[0], K + 1, dtype=torch.bool, device=q.device).scatter_(1, col, True)[:, :K]
+    outside = (t.probs * ~inset).sum(-1)
+    return q.contiguous(), top.contiguous(), outside, t.rest, t.ids[:, 0]
+
+
 class VocabLoss(torch.autograd.Function):
     """ce_w·Σ w·CE + l1_w·Σ w·L1 over rows, with gradients computed chunk by chunk in forward.
 
-    Inputs: h [R, H], latent [R, r], w2 [V, r] (trainable Markov W2), lm [V, H] (frozen), tgt [R, H] target
-    post-norm hidden, labels [R], w [R]. Outputs: the differentiable scalar and detached per-row (ce, l1, correct,
-    agree). Logits match `DSparkDraft.base_logits(h) + markov_head.bias(latent)`: each matmul in its weight's
-    dtype, summed in fp32.
+    Inputs: h [R, H], latent [R, r], w2 [V, r] (trainable Markov W2), lm [V, H] (frozen), the teacher, labels [R],
+    w [R]. Outputs: the differentiable scalar and detached per-row (ce, l1, correct, agree). Logits match
+    `DSparkDraft.base_logits(h) + markov_head.bias(latent)`: each matmul in its weight's dtype, summed in fp32.
+
+    The teacher is either `tgt` [R, H], the target's post-norm hidden (the exact distribution is computed here), or
+    `teacher`, a sparse `Teacher` of [R, k] (then tgt is None). The sparse one scores L1 over the partition {each
+    top-k token} ∪ {the rest, lumped}: |P_rest − rest| stands for Σ over the unlisted tokens, P_rest being the
+    draft's mass on them.
 
     Reduced draft vocabulary S (K tokens): w2 and lm have K rows, `lm_full` [V, H] is the target's head, `vocab` [K]
     the target ids of S and `label_idx` [R] each label's draft id (−1 outside S). The target distribution p stays
@@ -156,8 +229,8 @@ class VocabLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, latent, w2, lm, tgt, labels, w, ce_w: float, l1_w: float, chunk: int,
-                lm_full=None, vocab=None, label_idx=None):
-        R = h.shape[0]
+                lm_full=None, vocab=None, label_idx=None, teacher: Teacher | None = None):
+        R, K = h.shape[0], lm.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(h) if need_grad else None
         grad_lat = torch.zeros_like(latent) if need_grad else None
@@ -165,6 +238,10 @@ class VocabLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         ce_rows, l1_rows = h.new_zeros(R, dtype=torch.float32), h.new_zeros(R, dtype=torch.float32)
         correct, agree = h.new_zeros(R, dtype=torch.bool), h.new_zeros(R, dtype=torch.bool)
+        index = None
+        if vocab is not None and teacher is not None:  # target id -> draft column (−1 outside S)
+            index = torch.full((lm_full.shape[0],), -1, dtype=torch.long, device=vocab.device)
+            index[vocab] = torch.arange(K, device=vocab.device)
         for s in range(0, R, chunk):
             e = min(s + chunk, R)
             hc, lc, y = h[s:e], latent[s:e], labels[s:e]
@@ -178,29 +255,30 @@ class VocabLoss(torch.autograd.Function):
             lse = torch.logsumexp(logits, -1)
             ce = lse - logits.gather(1, y[:, None]).squeeze(1)
             p = logits.sub_(lse[:, None]).exp_()  # draft probabilities, in the logits' buffer
-            if vocab is None:
-                q = F.linear(tgt[s:e].to(lm.dtype), lm).float()
-                agree[s:e] = pred == q.argmax(-1)
-                q = q.sub_(q.amax(-1, keepdim=True)).exp_()
-                q = q.div_(q.sum(-1, keepdim=True))  # target probabilities
-            else:  # the target's full distribution, restricted to S; its mass outside S is never accepted
-                full = F.linear(tgt[s:e].to(lm_full.dtype), lm_full).float()
-                agree[s:e] = vocab[pred] == full.argmax(-1)
-                q = full[:, vocab].sub_(torch.logsumexp(full, -1)[:, None]).exp_()
-                del full
-                outside = (1 - q.sum(-1)).clamp_(min=0)
+            if teacher is None:
+                q, top, outside, rest, t_arg = _exact_teacher(tgt[s:e], lm, lm_full, vocab)
+            else:
+                q, top, outside, rest, t_arg = _sparse_teacher(teacher[s:e], index, K)
+            agree[s:e] = (pred if vocab is None else vocab[pred]) == t_arg
+            if vocab is not None:
                 ce, pred = ce * inset, pred.masked_fill(~inset, -1)
             d = q.sub_(p)  # q − p, in q's buffer
-            l1 = torch.linalg.vector_norm(d, 1, dim=-1)
-            if vocab is not None:
-                l1 = l1 + outside
+            if top is None:
+                l1 = torch.linalg.vector_norm(d, 1, dim=-1) + outside
+            else:
+                p_rest = (p * ~top).sum(-1)
+                l1 = (d.abs() * top).sum(-1) + outside + (p_rest - rest).abs()
             ce_rows[s:e], l1_rows[s:e], correct[s:e] = ce, l1, pred == y
             wc = w[s:e].float()
             total += (wc * (ce_w * ce + l1_w * l1)).sum()
             if not need_grad:
                 continue
-            # d CE/d z = p − onehot(y);  d L1/d z_j = p_j (s_j − Σ_v s_v p_v) with s = sign(p − q).
-            g = d.sign_().neg_().mul_(p)  # s·p
+            # d CE/d z = p − onehot(y);  d L1/d z_j = p_j (s_j − Σ_v s_v p_v) with s = sign(p − q) (the lumped
+            # tokens of a sparse teacher all share s = sign(P_rest − rest)).
+            sgn = d.sign_().neg_()
+            if top is not None:
+                sgn = torch.where(top, sgn, (p_rest - rest).sign()[:, None])
+            g = sgn.mul_(p)  # s·p
             if vocab is None:
                 g.addcmul_(p, g.sum(-1, keepdim=True), value=-1).mul_(l1_w).add_(p, alpha=ce_w)
                 g[torch.arange(e - s, device=g.device), y] -= ce_w
@@ -222,7 +300,7 @@ class VocabLoss(torch.autograd.Function):
         grad_h, grad_lat, grad_w2 = ctx.saved_tensors
         g = grad_total.to(torch.float32)
         return (grad_h * g.to(grad_h.dtype), grad_lat * g.to(grad_lat.dtype), grad_w2 * g.to(grad_w2.dtype),
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 # ---- the objective -----------------------------------------------------------------------------------------
@@ -238,9 +316,14 @@ def compute_objective(
     tgt_pos = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp(max=batch.input_ids.shape[1] - 1)
     b_idx, n_idx, k_idx = slot_mask.nonzero(as_tuple=True)
     rows_h, rows_lat = h[b_idx, n_idx, k_idx], latent[b_idx, n_idx, k_idx]
-    rows_tgt = batch.last_hidden[b_idx, tgt_pos[b_idx, n_idx, k_idx]]
+    rows_pos = tgt_pos[b_idx, n_idx, k_idx]
+    rows_tgt, teacher = None, None
+    if batch.teacher is not None:
+        teacher = batch.teacher[b_idx, rows_pos]
+    else:
+        rows_tgt = batch.last_hidden[b_idx, rows_pos]
     w = position_weights(gamma, cfg.gamma_decay, h.device)[k_idx]
-    rows_labels, reduced = labels[b_idx, n_idx, k_idx], ()
+    rows_labels, reduced = labels[b_idx, n_idx, k_idx], (None, None, None)
     if c.reduced_vocab:  # the K hot lm_head rows score the draft; the full head gives the target's distribution
         vocab = draft.vocab
         index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=vocab.device)
@@ -248,7 +331,7 @@ def compute_objective(
         reduced = (draft.target.lm_head.weight, vocab, index[rows_labels])
     numerator, ce, l1, correct, agree = VocabLoss.apply(
         rows_h, rows_lat, draft.markov_head.markov_w2.weight, draft.head_weight(), rows_tgt,
-        rows_labels, w, cfg.ce_weight, cfg.l1_weight, cfg.vocab_chunk_rows, *reduced,
+        rows_labels, w, cfg.ce_weight, cfg.l1_weight, cfg.vocab_chunk_rows, *reduced, teacher,
     )
     alpha = (1 - l1 / 2).clamp(0, 1)  # detached: VocabLoss marks l1 non-differentiable
     bce = torch.zeros_like(alpha)

@@ -117,7 +117,7 @@ class EvalConfig(Section):
     temperature: float = 0.0
     dtype: DtypeName = "float32"  # target + draft dtype for the eval (fp32: T=0 identity is exact)
     batch_size: int = 1
-    baseline: bool = True  # also time plain target decoding on the same prompts (the speed ratio)
+    baseline: bool | Literal["first"] = True  # also time plain decoding on the same prompts ("first": first set only)
     threads: int | None = None  # torch threads for the eval (it runs on rank 0 alone: give it the idle cores)
 
 

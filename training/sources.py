@@ -21,7 +21,7 @@ from dspark_sgl.dtypes import DTYPES
 from dspark_sgl.sglang.engine import EngineError, check_sglang_importable
 from training.data import Sample, collate
 from training.engine_server import EngineSupervisor
-from training.objective import Batch
+from training.objective import Batch, Teacher, sparse_teacher
 from training.recipe import Recipe
 from training.stream import DistPlane, Request, ShmPlane, StreamClient
 from training.target import default_device, load_hf_target
@@ -105,7 +105,22 @@ class MemoryCachedSource:
 
     def __init__(self, inner, budget_bytes: int):
         self.inner, self.budget, self.used = inner, budget_bytes, 0
-        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[int, tuple] = {}
+        # objective.teacher_topk > 0: the trainer sets (lm_head weight, k) once the target head is loaded; a sample's
+        # sparse teacher is then computed once, at capture, and kept instead of its post-norm hidden states.
+        self.teacher_head: tuple[torch.Tensor, int] | None = None
+
+    def _teacher(self, last: torch.Tensor, mask: torch.Tensor) -> Teacher:
+        """The sparse teacher at the positions whose next token is supervised (the rows the objective reads)."""
+        weight, k = self.teacher_head
+        need = torch.zeros_like(mask)
+        need[:-1] = mask[1:]
+        n = last.shape[0]
+        out = Teacher(torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k), torch.ones(n))
+        if need.any():
+            t = sparse_teacher(last[need].to(weight.device), weight, k)
+            out.ids[need], out.probs[need], out.rest[need] = t.ids.cpu(), t.probs.cpu(), t.rest.cpu()
+        return out
 
     @property
     def pad_id(self) -> int:
@@ -125,9 +140,11 @@ class MemoryCachedSource:
             fresh = self.inner.batch(missing, "cpu")
             for b, (_, s) in enumerate(missing):
                 n = int(fresh.lengths[b])
-                rows[s.id] = (fresh.input_ids[b, :n], fresh.loss_mask[b, :n], fresh.aux_hidden[b, :n].clone(),
-                              fresh.last_hidden[b, :n].clone())
-                size = sum(t.numel() * t.element_size() for t in rows[s.id])
+                mask = fresh.loss_mask[b, :n]
+                last = (fresh.last_hidden[b, :n].clone() if self.teacher_head is None else
+                        self._teacher(fresh.last_hidden[b, :n], mask))
+                rows[s.id] = (fresh.input_ids[b, :n], mask, fresh.aux_hidden[b, :n].clone(), last)
+                size = sum(t.numel() * t.element_size() for t in _tensors(rows[s.id]))
                 if self.used + size <= self.budget:
                     self.cache[s.id], self.used = rows[s.id], self.used + size
         rows.update({s.id: self.cache[s.id] for _, s in items if s.id not in rows})
@@ -140,19 +157,29 @@ class MemoryCachedSource:
         self.inner.close()
 
 
+def _tensors(row: tuple) -> list[torch.Tensor]:
+    *head, last = row
+    return [*head, *((last.ids, last.probs, last.rest) if isinstance(last, Teacher) else (last,))]
+
+
+def _pad_stack(parts: list[torch.Tensor], S: int, fill=0) -> torch.Tensor:
+    out = torch.full((len(parts), S, *parts[0].shape[1:]), fill, dtype=parts[0].dtype)
+    for b, t in enumerate(parts):
+        out[b, : t.shape[0]] = t
+    return out
+
+
 def stack_rows(rows, sample_ids: list[int], pad_id: int) -> Batch:
-    """Right-padded Batch from per-sample (ids, mask, aux, last) rows."""
+    """Right-padded Batch from per-sample (ids, mask, aux, last hidden or sparse Teacher) rows."""
     S = max(r[0].shape[0] for r in rows)
-    B = len(rows)
-    ids = torch.full((B, S), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, S, dtype=torch.bool)
-    aux = torch.zeros(B, S, rows[0][2].shape[-1], dtype=rows[0][2].dtype)
-    last = torch.zeros(B, S, rows[0][3].shape[-1], dtype=rows[0][3].dtype)
-    for b, (i, m, a, h) in enumerate(rows):
-        n = i.shape[0]
-        ids[b, :n], mask[b, :n], aux[b, :n], last[b, :n] = i, m, a, h
+    ids, mask, aux = (_pad_stack([r[i] for r in rows], S, fill) for i, fill in ((0, pad_id), (1, False), (2, 0)))
     lengths = torch.tensor([r[0].shape[0] for r in rows])
-    return Batch(ids, mask, lengths, torch.tensor(sample_ids), aux, last)
+    lasts = [r[3] for r in rows]
+    if isinstance(lasts[0], Teacher):
+        teacher = Teacher(_pad_stack([t.ids for t in lasts], S), _pad_stack([t.probs for t in lasts], S),
+                          _pad_stack([t.rest for t in lasts], S, 1.0))
+        return Batch(ids, mask, lengths, torch.tensor(sample_ids), aux, None, teacher)
+    return Batch(ids, mask, lengths, torch.tensor(sample_ids), aux, _pad_stack(lasts, S))
 
 
 def make_source(recipe: Recipe, dcfg: DSparkConfig, rank: int, local_rank: int, world: int, pad_id: int,
@@ -199,5 +226,6 @@ def make_plane(recipe: Recipe, device: torch.device):
 
 
 def cached(recipe: Recipe, source):
+    """The source behind a RAM cache when the recipe keeps captures or computes a sparse teacher from them."""
     mb = recipe.stream.memory_cache_mb
-    return MemoryCachedSource(source, int(mb * 2**20)) if mb > 0 else source
+    return MemoryCachedSource(source, int(mb * 2**20)) if mb > 0 or recipe.objective.teacher_topk else source

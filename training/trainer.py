@@ -282,6 +282,8 @@ class Trainer:
             with self.phase("vocab"):
                 self.draft_vocab(samples)  # before step 0; a resumed run reads the stored one back
         model = self.build_model(target)
+        if r.objective.teacher_topk:  # the source keeps each sample's sparse teacher instead of its hidden states
+            source.teacher_head = (model.draft.target.lm_head.weight, r.objective.teacher_topk)
         params = [p for p in model.parameters() if p.requires_grad]
         o = r.optim
         optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -401,17 +403,19 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
         engines["plain"] = SpecEngine(target, None)
     reports = {}
     sampling = SamplingConfig(temperature=e.temperature)
-    for path in e.datasets:
+    for n, path in enumerate(e.datasets):
         for name, engine in engines.items():
+            if name == "plain" and e.baseline == "first" and n > 0:
+                continue
             rep, _ = evaluate_dataset(engine, tok, path, e.num_prompts, e.max_new_tokens, sampling,
                                       eos_ids(tok, target), e.batch_size)
             reports.setdefault(rep.name, {})[name] = rep
-        spec = reports[rep.name]["dspark"]
-        ratio = (spec.tokens_per_s / reports[rep.name]["plain"].tokens_per_s) if e.baseline else float("nan")
+        spec, plain = reports[rep.name]["dspark"], reports[rep.name].get("plain")
+        ratio = spec.tokens_per_s / plain.tokens_per_s if plain else float("nan")
         log(f"eval {rep.name}: τ = {spec.tau:.3f} over {spec.prompts} prompts (T={e.temperature}), "
             f"{spec.tokens_per_s:.1f} tok/s, speed ratio vs plain {ratio:.2f}x, per-position accept "
             f"{[round(a, 2) for a in spec.per_position_accept]}")
-    result = {name: report_dict([d[name] for d in reports.values()], draft=str(draft_dir), engine=name,
+    result = {name: report_dict([d[name] for d in reports.values() if name in d], draft=str(draft_dir), engine=name,
                                 temperature=e.temperature, dtype=e.dtype) for name in engines}
     out.write_text(json.dumps(result, indent=2))
     return result
