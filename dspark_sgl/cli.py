@@ -302,31 +302,19 @@ def calibrate(
     heldout_limit: int = 50,
 ) -> None:
     """Sequential temperature scaling of the confidence head from real speculative runs (ECE/AUROC/Brier)."""
-    from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
+    from dspark_sgl.evaluate import calibrate as run_calibration
     from dspark_sgl.loading import eos_ids, load_pair
-    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
-    from dspark_sgl.speculative.sts import calibration_report, fit_sts, save_sts
+    from dspark_sgl.speculative.engine import SpecEngine
 
     try:
         tgt, model, tok = load_pair(target, draft, dtype)
-        engine = SpecEngine(tgt, model)
-
-        def pairs(paths: list[Path], n: int):
-            gens = []
-            for path in paths:
-                gens += evaluate_dataset(engine, tok, path, n, max_new_tokens, SamplingConfig(temperature),
-                                         eos_ids(tok, tgt))[1]
-            return confidence_pairs(gens)
-
-        logits, accepted = pairs(data, limit)
-        test_logits, test_accepted = pairs(heldout, heldout_limit) if heldout else (logits, accepted)
+        cal = run_calibration(SpecEngine(tgt, model), tok, data, limit, max_new_tokens, eos_ids(tok, tgt),
+                              heldout, heldout_limit, temperature)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    temps = fit_sts(logits, accepted)
-    before = calibration_report(test_logits, test_accepted)
-    after = calibration_report(test_logits, test_accepted, temps)
-    where = f"{len(test_accepted)} held-out verify steps" if heldout else "the same steps (in-sample)"
-    t = Table(title=f"STS fitted on {len(accepted)} verify steps, reported on {where}")
+    temps, before, after = cal.temperatures, cal.before, cal.after
+    where = f"{cal.report_steps} held-out verify steps" if heldout else "the same steps (in-sample)"
+    t = Table(title=f"STS fitted on {cal.fit_steps} verify steps, reported on {where}")
     for col in ("position", "T", "ECE before", "ECE after", "AUROC before", "AUROC after", "Brier before",
                 "Brier after", "accept rate"):
         t.add_column(col, justify="right")
@@ -336,8 +324,7 @@ def calibrate(
                   f"{after['brier'][k]:.4f}", f"{after['accept_rate'][k]:.3f}")
     Console().print(t)
     dest = out or Path(draft) / "sts.json"
-    save_sts(dest, temps, {"before": before, "after": after, "fit_steps": len(accepted),
-                           "report_steps": len(test_accepted), "heldout": bool(heldout)})
+    cal.save(dest)
     console.print(f"wrote {dest}")
 
 

@@ -126,3 +126,43 @@ def confidence_pairs(gens: list[Generation]) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError("no full-window verify steps with confidence logits: run with --schedule static and a "
                          "draft that has a confidence head")
     return torch.tensor(logits), torch.tensor(accepted)
+
+
+@dataclass
+class Calibration:
+    temperatures: torch.Tensor  # [γ] STS temperatures
+    before: dict  # calibration_report on the report steps, raw confidences
+    after: dict  # the same with the temperatures
+    fit_steps: int
+    report_steps: int
+    heldout: bool  # reported on other prompts than the fitted ones
+
+    def save(self, path: str | Path) -> None:
+        from dspark_sgl.speculative.sts import save_sts
+
+        save_sts(path, self.temperatures, {"before": self.before, "after": self.after, "fit_steps": self.fit_steps,
+                                           "report_steps": self.report_steps, "heldout": self.heldout})
+
+
+def calibrate(engine: SpecEngine, tokenizer, fit: list[str | Path], limit: int, max_new_tokens: int, eos: set[int],
+              heldout: list[str | Path] | None = None, heldout_limit: int = 50, temperature: float = 0.0,
+              batch_size: int = 1) -> Calibration:
+    """Sequential temperature scaling of the draft's confidence head from real (static) speculative runs on the
+    `fit` prompts, reported on `heldout` ones (or in-sample when none are given). `dspark calibrate` and the recipe's
+    calibration phase both run this."""
+    from dspark_sgl.speculative.sts import calibration_report, fit_sts
+
+    def pairs(paths, n):
+        gens = []
+        for path in paths:
+            gens += evaluate_dataset(engine, tokenizer, path, n, max_new_tokens, SamplingConfig(temperature), eos,
+                                     batch_size)[1]
+        return confidence_pairs(gens)
+
+    logits, accepted = pairs(fit, limit)
+    test_logits, test_accepted = pairs(heldout, heldout_limit) if heldout else (logits, accepted)
+    temps = fit_sts(logits, accepted)
+    return Calibration(temps, calibration_report(test_logits, test_accepted),
+                       calibration_report(test_logits, test_accepted, temps), len(accepted), len(test_accepted),
+                       bool(heldout))
+

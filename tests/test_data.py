@@ -176,3 +176,16 @@ def test_mixture_ids_regeneration_flags_and_exclusion(tmp_path):
     assert [i for i, _ in as_is] == [SOURCE_ID_STRIDE + i for i in range(3)]
     with pytest.raises(DataError, match="does not exist"):
         mixture(DataConfig(train=str(tmp_path / "math.jsonl"), exclude=ExcludeConfig(files=[str(tmp_path / "x")])))
+
+
+def test_heldout_prompts_follow_the_training_records_and_skip_whole_sources(tmp_path):
+    from training.data import ExcludeConfig, SourceConfig, heldout_prompts
+
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(10)))
+    (tmp_path / "e.jsonl").write_text(json.dumps({"turns": ["q7"]}) + "\n")  # an eval prompt: never held out
+    cfg = DataConfig(train=str(tmp_path / "q.jsonl"), skip_samples=2, max_samples=4,
+                     mix=[SourceConfig(train=str(tmp_path / "q.jsonl"))],  # used whole: nothing left to hold out
+                     exclude=ExcludeConfig(files=[str(tmp_path / "e.jsonl")]))
+    assert heldout_prompts(cfg, 3) == ["q6", "q8"]
+    cfg.skip_samples = 8
+    assert heldout_prompts(cfg, 3) == []

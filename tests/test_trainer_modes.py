@@ -107,3 +107,5 @@ def test_export_on_demand_equals_the_final_export(tiny, tmp_path):  # noqa: F811
 
     on_demand = load_file(str(tmp_path / "run" / "draft-step-2" / "model.safetensors"))
     assert_same_weights(weights(tmp_path / "run"), on_demand, atol=0)
+    png = (tmp_path / "run" / "curves.png").read_bytes()  # loss and τ curves beside metrics.jsonl
+    assert png.startswith(b"\x89PNG") and len(png) > 5000

@@ -12,6 +12,7 @@ whatever the template, and a regenerated turn keeps the exact ids the target pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -243,6 +244,25 @@ def decontaminate(records: list[tuple[int, dict]], prompts: list[str]) -> tuple[
             continue
         kept.append((i, rec))
     return kept, len(records) - len(kept)
+
+
+def heldout_prompts(cfg: DataConfig, n: int) -> list[str]:
+    """First user turns of up to n records per source right after the ones the run trains on (decontaminated like
+    them): prompts of the training distribution that the draft never saw, for the recipe's STS calibration. A source
+    used whole (no max_samples) gives none."""
+    out, evals = [], eval_prompts(cfg.exclude)
+    for src in cfg.sources():
+        if src.max_samples is None:
+            continue
+        nxt = dataclasses.replace(src, skip_samples=src.skip_samples + src.max_samples, max_samples=n)
+        try:
+            records = list(enumerate(load_records(nxt)))
+        except DataError:  # nothing left after the training records
+            continue
+        for _, rec in decontaminate(records, evals)[0] if evals else records:
+            users = [m["content"] for m in to_messages(rec) if m["role"] == "user"]
+            out += users[:1]
+    return out
 
 
 # ---- tokenisation with the chat template -------------------------------------------------------------------

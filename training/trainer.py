@@ -324,6 +324,9 @@ class Trainer:
             logger.close()
         with self.phase("export"):
             folder = self.export(model, self.out / "draft")
+        if self.main and r.eval.calibrate_prompts:
+            with self.phase("calibrate"):
+                calibrate_phase(r, folder, self.out, self.log)
         if self.main and r.eval.datasets:
             with self.phase("eval"):
                 final_eval(r, folder, self.out / "eval.json", self.log)
@@ -386,6 +389,31 @@ class Trainer:
             self.log(f"exported draft to {folder}")
         dist.barrier()
         return folder
+
+
+def calibrate_phase(recipe: Recipe, draft_dir: Path, out_dir: Path, log=print) -> None:
+    """STS on held-out training prompts (the training distribution, never trained on) -> draft_dir/sts.json."""
+    from dspark_sgl.evaluate import calibrate
+    from dspark_sgl.loading import eos_ids, load_pair
+    from dspark_sgl.speculative.engine import SpecEngine
+    from training.data import heldout_prompts
+
+    e = recipe.eval
+    if e.threads:
+        torch.set_num_threads(e.threads)
+    prompts = heldout_prompts(recipe.data, e.calibrate_prompts)
+    if not prompts:
+        log("calibrate: no held-out training prompts (every source is used whole): sts.json not written")
+        return
+    path = out_dir / "calibration.jsonl"
+    path.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    target, draft, tok = load_pair(recipe.target.path, str(draft_dir), e.dtype)
+    cal = calibrate(SpecEngine(target, draft), tok, [path], len(prompts), e.max_new_tokens, eos_ids(tok, target),
+                    temperature=e.temperature, batch_size=e.batch_size)
+    cal.save(draft_dir / "sts.json")
+    log(f"calibrate: STS on {cal.fit_steps} verify steps of {len(prompts)} held-out training prompts (in-sample "
+        f"ECE {[round(x, 3) for x in cal.before['ece']]} -> {[round(x, 3) for x in cal.after['ece']]}), "
+        f"temperatures {[round(float(t), 2) for t in cal.temperatures]} -> {draft_dir / 'sts.json'}")
 
 
 def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
@@ -471,8 +499,34 @@ class MetricLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+            plot_curves(Path(self.file.name), Path(self.file.name).with_name("curves.png"))
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def plot_curves(metrics: Path, out: Path) -> None:
+    """Loss and τ_prob (the trainer's per-step acceptance estimate) against the step, from metrics.jsonl (a resumed
+    run's file holds every step once per run: the last record of each step wins)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {}
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        rows[rec["step"]] = rec
+    steps = sorted(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(steps, [rows[s]["loss"] for s in steps], lw=0.8)
+    ax1.set(xlabel="step", ylabel="loss", yscale="log", title="objective (0.1 CE + 0.9 L1 + BCE)")
+    ax2.plot(steps, [rows[s]["tau_prob"] for s in steps], lw=0.8)
+    ax2.set(xlabel="step", ylabel="τ_prob", title="expected accepted length (training anchors)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def train(recipe: Recipe, recipe_path: str | None = None, overrides: list[str] | None = None,
