@@ -108,7 +108,11 @@ def evaluate_dataset(
 
 
 def report_dict(reports: list[DatasetReport], **meta) -> dict:
-    return {"meta": meta, "datasets": [asdict(r) for r in reports]}
+    """The JSON of an eval report: its settings (draft path, engine, T, dtype), where it ran (CPU, commit, date) and
+    one entry per dataset."""
+    from dspark_sgl.provenance import provenance
+
+    return {"meta": meta, "provenance": provenance(), "datasets": [asdict(r) for r in reports]}
 
 
 def confidence_pairs(gens: list[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
