@@ -4,7 +4,8 @@ Target: a tiny random fp32 Llama with 8 tokens (thousands of served samples in s
 head over the plain server's greedy outputs, so drafts are often accepted and often rejected. Each server runs all
 its requests in one go and is stopped at once (an idle server burns a core); the tests then compare:
   - T = 0 with each penalty set, and all together: token-identical to the exact definition (SGLang's penalty code,
-    token by token) and so to the plain server wherever plain keeps it (24 tokens, 6 prompts);
+    token by token; 24 tokens, 6 prompts); plain SGLang equals it too for each penalty alone (with all at once plain
+    is not self-consistent: its counts are recorded, not asserted);
   - the joint distribution of the first 3 generated tokens (chi-square vs the exact enumeration with the shared
     definition, and plain vs DSPARK), per parameter set, on rejection + static and block + confidence servers;
     all parameter sets travel in one concurrent batch, mixed with greedy requests;
@@ -26,15 +27,15 @@ import torch
 from scipy.stats import chi2_contingency
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import Server, build_bigram_draft, build_tiny_target, sglang_python  # noqa: E402
+from dspark_testkit import Server, build_bigram_draft, build_tiny_target  # noqa: E402
 
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, target_dist  # noqa: E402
 from tests.test_sampling import chi2_pvalue  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(1800),  # the first test sets up all three servers (~9 min on a loaded 2-core box)
-    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (point DSPARK_SGL_VENV at it)"),
+    pytest.mark.timeout(2100),  # the first test sets up all three servers (<= 600 s each; ~9 min on a loaded box)
+    pytest.mark.sglang,
 ]
 
 V, EOS, GAMMA, N = 8, 7, 3, 2000
@@ -202,13 +203,17 @@ def exact_greedy(target: Path, params: dict, n: int = 24) -> list[list[int]]:
     return outs
 
 
+PLAIN_UNSTABLE = {"all together"}  # plain SGLang's own output vs its definition varies with load here (see below)
+
+
 @pytest.mark.parametrize("name", [*PENALTIES, "none"])
 def test_greedy_with_each_penalty_is_identical_to_plain(target, plain, dspark, dspark_block, name):
     """Both DSPARK servers give exactly the greedy output that SGLang's penalty code defines (the shared definition,
-    token by token with transformers), and so equal plain SGLang wherever plain itself does. Plain SGLang 0.5.23 is
-    not always self-consistent: with every penalty at once it gave 0/6 of its own definition in a run on a loaded
-    box and 6/6 on an idle one (same build, same requests; its penalizer state depends on how the scheduler splits
-    and merges the batch), while DSPARK gave 6/6 in both."""
+    token by token with transformers); so does plain SGLang, which makes the two identical, for every set except
+    PLAIN_UNSTABLE. Plain SGLang 0.5.23 is not always self-consistent: with every penalty at once it gave 0/6 of its
+    own definition in a run on a loaded box and 6/6 on an idle one (same build, same requests; its penalizer state
+    depends on how the scheduler splits and merges the batch), while DSPARK gave 6/6 in both. There plain's count is
+    recorded in the report, not asserted."""
     exact = exact_greedy(target, {**GREEDY, **({"none": {}} | PENALTIES)[name]})
     ok = {who: [o == e for o, e in zip(res["greedy"][name], exact, strict=True)]
           for who, res in (("plain", plain), ("dspark", dspark), ("block", dspark_block))}
@@ -219,15 +224,19 @@ def test_greedy_with_each_penalty_is_identical_to_plain(target, plain, dspark, d
                              f"= the exact definition: plain {sum(ok['plain'])}/{n}, dspark {sum(ok['dspark'])}/{n}, "
                              f"block+confidence {sum(ok['block'])}/{n}")
     assert ok["dspark"] == ok["block"] == [True] * n, (name, ok)
-    assert same == [sum(ok["plain"])] * 2, (name, ok)  # identical to plain exactly where plain keeps its definition
+    if name not in PLAIN_UNSTABLE:  # the definition is SGLang's own: plain must keep it (else the reference is wrong)
+        assert ok["plain"] == [True] * n and same == [n, n], (name, ok, same)
     assert all(len(o) == 24 for o in dspark["greedy"][name])
 
 
-def test_greedy_rows_in_the_mixed_sampled_batch_are_identical_to_plain(target, plain, dspark):
+def test_greedy_rows_in_the_mixed_sampled_batch_equal_the_definition(target, plain, dspark):
+    """DSPARK's greedy rows (two penalties at once) among thousands of sampled ones give exactly the definition.
+    Plain SGLang's rows are recorded, not asserted: like `all together` above, several penalties at once in a batch
+    that the scheduler splits and merges is where plain is not self-consistent."""
     exact = exact_greedy(target, MIXED_GREEDY, n=3)[0]  # PROMPTS[0] is PROMPT
+    n, hits = len(dspark["mixed_greedy"]), [sum(o == exact for o in res["mixed_greedy"]) for res in (dspark, plain)]
+    REPORT["T=0 rows in the sampled batch"] = f"= the definition: dspark {hits[0]}/{n}, plain {hits[1]}/{n}"
     assert all(o == exact for o in dspark["mixed_greedy"]), (dspark["mixed_greedy"], exact)
-    assert [a == b for a, b in zip(dspark["mixed_greedy"], plain["mixed_greedy"], strict=True)] == \
-        [o == exact for o in plain["mixed_greedy"]]  # identical to plain wherever plain keeps its definition
 
 
 @pytest.mark.parametrize("name", list(SAMPLED))
