@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import Server, build_bigram_draft, sglang_python  # noqa: E402
+from dspark_testkit import Server, build_bigram_draft  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (.ci/install_sglang.sh VENV; "
-                       "point DSPARK_SGL_VENV at it)"),
+    pytest.mark.sglang,
+    pytest.mark.timeout(1500),  # a test may start 2 servers (<= 600 s each) before its requests
 ]
 
 MAX_NEW = 32
@@ -123,23 +123,43 @@ def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain)
     assert state["avg_spec_accept_length"] > 1.2
 
 
-def test_confidence_schedule_runs_fewer_target_tokens(dspark, prompt_ids, plain, sps_path):
-    """The default policy with a confidence head is `confidence`: the target verifies only the scheduled prefix
-    (fewer than γ+1 tokens per request on average), output stays identical, and the SPS table the worker measured
-    on the live engine is written where --speculative-dspark-sps-table-path pointed."""
+# A fixed SPS table for the schedule test: flat up to 12 verify tokens per step, then 1000x slower. Every step then
+# verifies exactly min(12, R·(γ+1)) tokens for R ≤ 12 requests: a batch of 8 runs each anchor and 4 drafts (some
+# request trims), a lone request its full window, whatever the box's own speed.
+FIXED_SPS = {"tokens": [1, 12, 13], "steps_per_s": [10.0, 10.0, 0.01]}
+
+
+def test_confidence_schedule_runs_fewer_target_tokens(dspark, good_draft, prompt_ids, plain, sps_path, tmp_path):
+    """The default policy with a confidence head is `confidence`. The SPS table the worker measured on the live
+    engine (the first test's batches) is the one it schedules with and is written where
+    --speculative-dspark-sps-table-path pointed, smoothed from its raw measurements. Then, with the fixed table
+    above loaded through a live update (a draft folder's sps.json), the target verifies only the scheduled prefix:
+    more than the anchor and fewer than γ+1 tokens per request on average, and output stays identical."""
     import json
 
+    from dspark_sgl.speculative.sps import isotonic_non_increasing
+    from training.publish import push
+
+    table = json.loads(sps_path.read_text())
+    info = dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]
+    assert info["worker"] == "dspark-sgl" and info["schedule"] == "confidence"
+    assert info["sps_table"] == table  # what it saved is what it schedules with
+    assert len(table["tokens"]) >= GAMMA + 1  # at least one batch size profiled at widths 1..γ+1
+    assert table["steps_per_s"] == isotonic_non_increasing(table["meta"]["raw_steps_per_s"])
+
+    folder = tmp_path / "fixed-sps"
+    shutil.copytree(good_draft, folder)
+    (folder / "sps.json").write_text(json.dumps(FIXED_SPS))
+    assert push(dspark.url, folder)["success"]
     dspark.post("/flush_cache", {})
+    assert dspark.post("/set_internal_state", {"server_args": {"dspark_clear_info_records": True}}) == [True]
     outs = dspark.generate(prompt_ids[:8], MAX_NEW)
     assert [o["output_ids"] for o in outs] == plain["batched"][:8]
     info = dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]
-    assert info["worker"] == "dspark-sgl" and info["schedule"] == "confidence"
+    assert info["sps_table"]["steps_per_s"] == FIXED_SPS["steps_per_s"]
     assert info["decode_steps"] > 0
-    assert 1.0 <= info["mean_target_tokens_per_request"] < GAMMA + 1
+    assert 1.0 < info["mean_target_tokens_per_request"] < GAMMA + 1, info
     assert info["mean_accepted_drafts"] <= info["mean_scheduled_drafts"]
-    table = json.loads(sps_path.read_text())
-    assert len(table["tokens"]) >= GAMMA + 1  # at least one batch size profiled at widths 1..γ+1
-    assert all(b <= a for a, b in zip(table["steps_per_s"], table["steps_per_s"][1:], strict=False))
 
 
 def test_plugin_loaded_in_launcher_scheduler_and_detokenizer(dspark):
