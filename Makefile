@@ -15,7 +15,7 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo quick-demo test lint test-sglang test-first-run
+.PHONY: install demo quick-demo test lint test-sglang test-slow
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -33,16 +33,23 @@ quick-demo: install
 lint: install
 	$(BIN)/ruff check .
 
+# Every test stage runs with DSPARK_REQUIRE_* set: a prerequisite it lacks fails the stage instead of skipping
+# (tests/conftest.py). Markers split the suite: the default run is `not slow and not sglang*`; test-slow and
+# test-sglang run the rest, so every test runs in exactly one stage.
 test: install lint
-	$(BIN)/python -m pytest -q
+	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q
 
-# Real SGLang 0.5.23 servers on CPU (slow: ~10-20 min on 2 cores), in their own venv.
+# Real SGLang 0.5.23 servers on CPU (slow: ~40 min on 2 cores), in their own venv: first the checks that import
+# sglang in-process (with that venv's python), then every test that needs the venv (servers, the plugin, capture).
 SGL_VENV ?= $(CURDIR)/.venv-sglang
 test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
-	DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow tests/test_sglang_*.py
+	DSPARK_REQUIRE_SGLANG=1 $(SGL_VENV)/bin/python -m pytest -q -m sglang_inprocess tests/test_sglang_cpu_shims.py
+	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -m sglang tests/
 
-# The newcomer's first run (2 ranks of the README recipe from an empty $HOME / $XDG_CACHE_HOME), and the 2-node
-# loopback trainer (kills and exact resume).
-test-first-run: install
-	$(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
+# Every other slow test: the newcomer's first run (2 ranks of the README recipe from an empty $HOME /
+# $XDG_CACHE_HOME), the 2-node loopback trainer (kills and exact resume), the trainer's rank/kill/resume and
+# engine-mode equivalences, the MLA recipe, the vocabulary recipe.
+test-slow: install
+	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m 'slow and not sglang' tests/

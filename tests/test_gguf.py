@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,9 +13,7 @@ from safetensors.torch import load_file, save_file
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.tools.gguf_export import ExportError, export_gguf, gguf_name
-from tests.conftest import tiny_draft_config
-
-gguf = pytest.importorskip("gguf")
+from tests.conftest import require, tiny_draft_config
 
 
 def tiny(**kw) -> DSparkConfig:
@@ -110,7 +109,7 @@ def test_dspark_arch_and_sts_temperatures(tmp_path):
 
 
 def test_rejects_quantized_and_unknown(bf16_draft, tmp_path):
-    pytest.importorskip("compressed_tensors")
+    require("compressed_tensors")
     from dspark_sgl.tools.quantize import quantize_draft
 
     quantize_draft(bf16_draft, tmp_path / "q", scheme="fp8")

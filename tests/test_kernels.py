@@ -1,14 +1,13 @@
 """Each fused kernel against its plain-torch reference (Triton's interpreter runs the kernel on CPU)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from dspark_sgl.kernels.markov_step import markov_step
+from tests.conftest import require
 
 
 def test_reference_is_the_definition():
@@ -37,8 +36,8 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernel_matches_reference_in_interpreter():
+    require("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

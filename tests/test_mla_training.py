@@ -25,6 +25,7 @@ def test_k3_mla_recipe_dry_run_matches_the_cards():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its training run may take 900 s
 def test_tiny_mla_recipe_trains_on_smollm2_and_is_lossless(smollm2_dir, tmp_path):
     from training.tiny import tiny_conversations
 

@@ -7,7 +7,6 @@ across 2 gloo ranks, chunking, bounded saved memory, and SpecForge 0.2.0's own D
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import socket
@@ -22,6 +21,7 @@ from torch import nn
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft
+from tests.conftest import require
 from training.objective import (
     STAT_NAMES,
     Batch,
@@ -334,10 +334,10 @@ def test_bad_objective_config():
 
 
 # ---- SpecForge 0.2.0's own objective -----------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="pip install --no-deps specforge==0.2.0")
 def test_matches_specforge_objective(tmp_path):
     """Same weights, inputs and anchors: SpecForge's OnlineDSparkModel loss (1 rank, 1 micro-batch, where its
     normalisation equals ours) and every draft gradient."""
+    require("specforge")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from specforge.algorithms.common.dflash_family_model import OnlineDSparkModel

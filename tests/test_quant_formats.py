@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dspark_sgl.model import formats as F
+from tests.conftest import require
 
 # ---- independent reference: value tables from bit fields
 # ----------------------------------------------------
@@ -276,7 +277,7 @@ def test_weight_snr_matches_card_000_for_gaussian_weights():
 # ----------------------------------------------------
 @pytest.mark.parametrize("name", ["fp8", "nvfp4", "mxfp4"])
 def test_byte_identical_to_compressed_tensors(name):
-    pytest.importorskip("compressed_tensors")
+    require("compressed_tensors")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam

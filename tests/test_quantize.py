@@ -19,9 +19,9 @@ from dspark_sgl.tools.quantize import (
     plan_quantization,
     quantize_draft,
 )
-from tests.conftest import tiny_draft_config
+from tests.conftest import require, tiny_draft_config
 
-pytest.importorskip("compressed_tensors")
+require("compressed_tensors")
 
 
 def tiny_config(layers: int = 5, **kw) -> DSparkConfig:

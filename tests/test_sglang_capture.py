@@ -35,7 +35,9 @@ from dspark_sgl.sglang.capture import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import REPO, Server, cpu_env, sglang_python  # noqa: E402
+from dspark_testkit import REPO, Server, cpu_env  # noqa: E402
+
+from tests.conftest import require  # noqa: E402
 
 K, H = 2, 4
 
@@ -167,10 +169,7 @@ LAYERS = [1, 14, 27]
 
 @pytest.fixture(scope="module")
 def sgl_python() -> Path:
-    py = sglang_python()  # probed here, not at import: the fast tests above must not pay for it
-    if py is None:
-        pytest.skip("needs the sglang venv (.ci/install_sglang.sh VENV; point DSPARK_SGL_VENV at it)")
-    return py
+    return require("sglang")  # probed here, not at import: the fast tests must not pay for it
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +214,8 @@ def plain_vs_capture_seconds(server: Server, ids: list[int]) -> tuple[float, flo
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.timeout(900)  # a server start of <= 600 s
 def test_http_capture_equals_hf_target_with_shared_prefixes(target_dir, samples):
     long = list(range(1000, 1512))
     with Server(target_dir, server_args(LAYERS)) as s:  # stopped right after: an idle server burns a core
@@ -243,6 +244,7 @@ finally:
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
 def test_engine_api_capture_equals_hf_target(sgl_python, target_dir, samples, tmp_path):
     from dspark_sgl.sglang.capture import Captured
 
@@ -258,6 +260,7 @@ def test_engine_api_capture_equals_hf_target(sgl_python, target_dir, samples, tm
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
 def test_layer_beyond_the_target_stops_startup_with_one_error(target_dir):
     code, out = Server(target_dir, server_args([1, 30])).run_to_exit(timeout=480)
     assert code != 0
@@ -265,6 +268,7 @@ def test_layer_beyond_the_target_stops_startup_with_one_error(target_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
 def test_override_without_aux_capture_stops_startup_with_our_error(target_dir):
     override = ["--json-model-override-args", json.dumps({OVERRIDE_KEY: True})]
     code, out = Server(target_dir, override).run_to_exit(timeout=480)
@@ -293,6 +297,8 @@ def _recipe(folder: Path, target_dir: Path, data: Path, optim: dict, **engine) -
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.timeout(1800)  # three training runs of <= 500 s each
 def test_trainer_sglang_engine_trains_like_the_hf_engine(sgl_python, target_dir, tmp_path):
     from safetensors.torch import load_file
 

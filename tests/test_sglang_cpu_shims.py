@@ -1,7 +1,8 @@
 """The CPU stand-ins that let real SGLang serve on a CPU (dspark_sgl/sglang/cpu), each op against a plain reference.
 
 The kernels, the importable `sgl_kernel` / `torchvision` stand-ins and the verify attention are pure torch, so these
-run in any venv; the checks against SGLang's own code need sglang and skip without it.
+run in any venv; the checks against SGLang's own code (marked `sglang_inprocess`) run in the SGLang venv's python
+(`make test-sglang`).
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def test_reconstruct_indices_from_tree_mask_matches_the_parent_lists():
     assert sib[0].tolist() == [-1, 2, -1, 5, -1, -1]  # spelled out once: 1 and 2 share the root, 3 and 5 share 1
 
 
+@pytest.mark.sglang_inprocess
 def test_reconstruct_indices_agrees_with_sglangs_host_derivation(on_path):
-    pytest.importorskip("sglang", reason="needs real SGLang (the sglang venv from .ci/install_sglang.sh)")
     on_path("sgl_kernel"), on_path("torchvision")  # what a CPU server process gets (this venv has neither)
     from sglang.srt.speculative.ngram_worker import _derive_tree_links
 
@@ -267,9 +268,9 @@ def test_tree_verify_attention_sees_the_prefix_and_exactly_its_ancestors():
             torch.testing.assert_close(out[b * n + i], ref)
 
 
+@pytest.mark.sglang_inprocess
 def test_verify_attention_chain_is_causal_extend_after_the_prefix(on_path):
     """The chain route (DSPARK, no custom mask) reuses SGLang's SDPA extend; a chain tree mask must agree with it."""
-    pytest.importorskip("sglang", reason="needs real SGLang (the sglang venv from .ci/install_sglang.sh)")
     on_path("sgl_kernel"), on_path("torchvision")
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import Server, build_bigram_draft, sglang_python  # noqa: E402
+from dspark_testkit import Server, build_bigram_draft  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (DSPARK_SGL_VENV)"),
+    pytest.mark.sglang,
+    pytest.mark.timeout(1500),  # the test starts 2 servers (<= 600 s each)
 ]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Monday, Tuesday, Wednesday,", "1, 2, 3, 4, 5, 6,"]
 MLA = dict(attention_type="mla", num_key_value_heads=9, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,

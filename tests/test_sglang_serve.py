@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
+from dspark_testkit import ServeCommand, build_bigram_draft  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (.ci/install_sglang.sh VENV; "
-                       "point DSPARK_SGL_VENV at it)"),
+    pytest.mark.sglang,
+    pytest.mark.timeout(1500),  # a test may start 2 servers (<= 600 s each) before its requests
 ]
 
 MAX_NEW = 40

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import REPO, cpu_env, sglang_python  # noqa: E402
+from dspark_testkit import REPO, cpu_env  # noqa: E402
+
+from tests.conftest import require  # noqa: E402
 
 LAYERS = [1, 14, 27]
 
@@ -61,10 +63,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def sgl_python() -> Path:
-    py = sglang_python()
-    if py is None:
-        pytest.skip("needs the sglang venv (.ci/install_sglang.sh VENV; point DSPARK_SGL_VENV at it)")
-    return py
+    return require("sglang")  # probed here, not at import: the fast tests must not pay for it
 
 
 def sgl_env() -> dict[str, str]:
@@ -72,6 +71,8 @@ def sgl_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.timeout(1200)  # its probe may take 900 s
 def test_shm_and_gloo_rows_are_the_json_paths_bytes(sgl_python, smollm2_dir, tmp_path):
     script, out = tmp_path / "probe.py", tmp_path / "rows.pt"
     script.write_text(SCRIPT)
@@ -87,6 +88,8 @@ def test_shm_and_gloo_rows_are_the_json_paths_bytes(sgl_python, smollm2_dir, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.timeout(2100)  # two training runs of <= 900 s each
 def test_trainer_over_shm_trains_like_the_hf_engine(sgl_python, smollm2_dir, tmp_path):
     from safetensors.torch import load_file
 

@@ -7,7 +7,8 @@ block mask built by SpecForge itself) and on the inference path (one block again
 
 SpecForge is test-only and pins torch/transformers/sglang versions we do not use, so it is installed
 without its dependencies: `pip install --no-deps specforge==0.2.0` (its draft modules need only torch,
-transformers and safetensors, all of which are ours already). Without it these tests skip.
+transformers and safetensors, all of which are ours already); `make install` does. Without it these tests skip, and
+fail under DSPARK_REQUIRE_INSTALLED=1 (the CI stages: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import rollout
+from tests.conftest import missing
 
 SPECFORGE_VERSION = "0.2.0"
 ATOL = 1e-4
@@ -34,11 +36,9 @@ def _import_specforge():
     try:
         version = importlib.metadata.version("specforge")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"specforge not installed: pip install --no-deps specforge=={SPECFORGE_VERSION}",
-                    allow_module_level=True)
+        missing("specforge")
     if version != SPECFORGE_VERSION:
-        pytest.skip(f"compat checks target specforge=={SPECFORGE_VERSION}, found {version}",
-                    allow_module_level=True)
+        missing("specforge", f"=={SPECFORGE_VERSION} (found {version})")
     with warnings.catch_warnings():  # its eagle module warns that flash_attn is absent
         warnings.simplefilter("ignore")
         from specforge.algorithms.common import dflash_family_model

@@ -92,6 +92,7 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
 
 # ---- equality across world sizes and across a kill ---------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # three training runs of <= 300 s each
 def test_two_ranks_equal_one_rank(tiny, tmp_path):
     one = write_recipe(tiny, tmp_path / "one")
     two = write_recipe(tiny, tmp_path / "two", train={"micro_batch": 2})  # 2 ranks × 2 = global 4, no accumulation
@@ -110,6 +111,7 @@ def weights_after_zero_steps(tiny, tmp_path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 2 runs of <= 300 s and a <= 240 s wait for the kill
 def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
     steps = {"max_steps": 8, "save_every": 1}
     full = write_recipe(tiny, tmp_path / "full", train=steps)
@@ -230,6 +232,7 @@ def test_data_error_type_is_value_error():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 2 runs of <= 300 s, <= 240 + 120 s around the kill
 def test_two_rank_run_with_one_rank_killed_resumes_exactly(tiny, tmp_path):
     """SIGKILL one of two ranks mid-run; torchrun tears the job down; `--resume` on 2 ranks ends where an
     uninterrupted 1-rank run ends (sharded DCP checkpoint, per-rank RNG, stream position)."""

@@ -14,6 +14,7 @@ from tests.test_trainer import ROOT, assert_same_weights, run_training, tiny, we
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two training runs of <= 300 s each
 def test_colocated_stream_equals_inprocess(tiny, tmp_path):  # noqa: F811
     inproc = write_recipe(tiny, tmp_path / "inproc", train={"max_steps": 3})
     coloc = write_recipe(tiny, tmp_path / "coloc", train={"max_steps": 3},
@@ -66,6 +67,7 @@ def _engine_pids(marker: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 2 runs of <= 300 s, a <= 240 s wait for the kill
 def test_engine_sigkilled_mid_run_is_restarted_and_changes_nothing(tiny, tmp_path):  # noqa: F811
     """Colocated engine SIGKILLed after step 2: the trainer waits, restarts it, re-sends what was in flight, and
     ends with the weights of an undisturbed run (no sample lost or trained twice)."""

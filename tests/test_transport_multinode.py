@@ -146,6 +146,7 @@ def ledgers(text: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # 3 jobs of <= 600 s, 2 waits of <= 400 s
 def test_two_nodes_on_loopback_survive_engine_and_trainer_kills_exactly(smollm2_dir, tmp_path):
     from safetensors.torch import load_file
 

@@ -30,8 +30,9 @@ SGL_VENV = Path(os.environ.get("DSPARK_SGL_VENV", "/work/sgl-venv"))
 CPU_SERVER_ARGS = [*PRODUCT_CPU_ARGS, "--dtype", "float32"]  # what `dspark serve` passes on a CPU, in fp32
 
 
+@cache
 def sglang_python() -> Path | None:
-    """The interpreter of a venv where sglang imports (the current one, else $DSPARK_SGL_VENV)."""
+    """The interpreter of a venv where sglang imports (the current one, else $DSPARK_SGL_VENV); probed once."""
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     for py in (Path(sys.executable), SGL_VENV / "bin" / "python"):
         if py.exists():
