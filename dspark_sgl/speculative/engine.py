@@ -124,7 +124,7 @@ class SpecEngine:
         gen = torch.Generator(device=self.target.device).manual_seed(s.seed)
         B = len(prompts)
         outs = [Generation([], RequestStats(self.gamma)) for _ in range(B)]
-        kv = TargetKV(self.target, prompts)
+        kv = TargetKV(self.target, prompts, reserve=max_new_tokens + self.gamma + 1)
         t0 = time.perf_counter()
         first = kv.prefill(logits="last")
         anchor = self._next_tokens(first.logits[:, -1], bs, gen, prompts, outs, range(B))
