@@ -167,6 +167,8 @@ def main(
 
 
 def record(dtype: str, batch: int, engine: str, res: dict, base: dict, ref: list[list[int]]) -> dict:
+    Console(stderr=True).print(f"{dtype} batch {batch} {engine}: {res['tok_s']:.1f} tok/s, "
+                               f"{res['step_ms_total']:.1f} ms/step, τ {res['tau'] or 1:.2f}")
     return {"dtype": dtype, "batch": batch, "engine": engine, "prompts": len(ref), "tokens": res["tokens"],
             "tau": res["tau"], "tok_s": res["tok_s"], "ratio": res["tok_s"] / base["tok_s"], "steps": res["steps"],
             "step_ms": res["step_ms"], "step_ms_total": res["step_ms_total"], "prefill_ms": res["prefill_ms"],
