@@ -136,7 +136,10 @@ class SpecEngine:
         self.prefill_s += dt
         for b in range(B):
             outs[b].stats.verify_s += dt
-        self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens)
+        # token counts of each row's output so far, kept up to date as tokens are emitted (penalties only)
+        hist = OutputHistory.from_lists([[] for _ in range(B)], self.target.vocab_size, anchor.device) \
+            if bs.any_penalty else None
+        self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens, hist)
         live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
         while True:
             clock = StepTimer(STEP_PHASES)
@@ -149,9 +152,10 @@ class SpecEngine:
                 if ctx is not None:
                     ctx.select(sel)
                 anchor, live, bs = anchor[sel], [live[j] for j in keep], bs.select(sel)
+                hist = None if hist is None else OutputHistory(hist.counts[sel], hist.length[sel])
                 clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
-                         max_new_tokens, s.acceptance, self.target.vocab_size)
+                         max_new_tokens, s.acceptance, hist)
             if self.draft is None:
                 anchor = self._plain_step(kv, anchor, step, clock)
             else:
@@ -172,12 +176,12 @@ class SpecEngine:
         clock.lap("other", anchor)
         out = kv.extend(anchor[:, None], logits="last")
         clock.lap("verify", out.logits)
-        nxt = next_tokens(out.logits[:, -1], step.bs, step.history(anchor.device), step.noise(anchor.device))
+        nxt = next_tokens(out.logits[:, -1], step.bs, step.history, step.noise(anchor.device))
         clock.lap("accept", nxt)
         dt = clock.seconds["verify"] + clock.seconds["accept"]
         for o in step.outs:
             o.stats.verify_s += dt
-        self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new)
+        self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new, step.history)
         return nxt
 
     def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer
@@ -200,7 +204,7 @@ class SpecEngine:
         verify_ids = torch.cat((anchor[:, None], prop.tokens[:, : n_verify - 1]), 1)
         out = kv.extend(verify_ids, logits="all")
         clock.lap("verify", out.logits)
-        logits = adjust_logits(out.logits, step.bs, step.history(anchor.device), prop.tokens[:, : n_verify - 1])
+        logits = adjust_logits(out.logits, step.bs, step.history, prop.tokens[:, : n_verify - 1])
         res = accept_rows(prop, logits, step.bs, limit, noise, step.acceptance)
         keep = res.num_accepted + 1  # the anchor and the accepted drafts now have target KV
         clock.lap("accept", res.bonus)
@@ -225,17 +229,24 @@ class SpecEngine:
                     for k, v in timer.seconds.items():
                         o.stats.draft_split[k] += v + (ctx_s if k == "backbone" else 0.0)
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
-        self._emit(outs, emitted, step.stops, max_new)
+        self._emit(outs, emitted, step.stops, max_new, step.history)
         return res.bonus
 
     @staticmethod
-    def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int) -> None:
-        for o, toks, stop in zip(outs, tokens, stops, strict=True):
+    def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int,
+              hist: OutputHistory | None) -> None:
+        """Append each row's tokens up to its stop token or max_new (and count them into hist, row for row)."""
+        for b, (o, toks, stop) in enumerate(zip(outs, tokens, stops, strict=True)):
+            n0 = len(o.token_ids)
             for t in toks:
                 if o.finished or len(o.token_ids) >= max_new:
                     break
                 o.token_ids.append(t)
                 o.finished = t in stop
+            if hist is not None and len(o.token_ids) > n0:
+                new = torch.tensor(o.token_ids[n0:], device=hist.counts.device)
+                hist.counts[b].index_add_(0, new, torch.ones(len(new), device=new.device))
+                hist.length[b] += len(new)
 
 
 @dataclass
@@ -249,13 +260,7 @@ class _Step:
     stops: list[frozenset[int]]
     max_new: int
     acceptance: str
-    vocab_size: int
-
-    def history(self, device) -> OutputHistory | None:
-        """Output so far, the anchor included (only built when some row has a penalty)."""
-        if not self.bs.any_penalty:
-            return None
-        return OutputHistory.from_lists([o.token_ids for o in self.outs], self.vocab_size, device)
+    history: OutputHistory | None  # output so far, the anchor included (only when some row has a penalty)
 
     def noise(self, device):
         if self.bs.seeds is None:
