@@ -15,10 +15,8 @@ T = 0 token identity against plain decoding is counted for every prompt, and req
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Annotated
@@ -32,6 +30,7 @@ from dspark_sgl.dtypes import dtype_name, resolve_dtype
 from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt, eos_ids, load_pair
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
+from dspark_sgl.provenance import provenance
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.timing import STEP_PHASES
 
@@ -104,16 +103,6 @@ def run(engine: SpecEngine, prompts, max_new: int, eos, batch_size: int, refs=No
             "tau": 1 + sum(accepted) / len(accepted) if accepted else None}
 
 
-def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown")
-    root = Path(__file__).resolve().parents[1]
-    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
-    return {"cpu": model, "cores": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(),
-            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
-
-
 def main(
     draft: Annotated[list[str] | None, typer.Option(help="random | a draft folder; repeatable.")] = None,
     tau: Annotated[list[float] | None, typer.Option(help="Oracle τ targets on the first draft; repeatable (default 2 "
@@ -156,9 +145,10 @@ def main(
                                    ref))
     report(rows, max_new_tokens, limit)
     json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps({"machine": machine(), "inputs": {
-        "target": target, "data": str(data), "limit": limit, "max_new_tokens": max_new_tokens, "drafts": drafts,
-        "oracle_taus": taus, "threads": torch.get_num_threads(), "temperature": 0.0}, "rows": rows}, indent=2) + "\n")
+    prov = provenance(target=target, data=str(data), limit=limit, max_new_tokens=max_new_tokens, drafts=drafts,
+                      oracle_taus=taus, threads=torch.get_num_threads(), temperature=0.0)
+    prov["load_avg_1_5_15"] = os.getloadavg()  # a shared box: how busy it was when the run ended
+    json_out.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=2) + "\n")
     Console(stderr=True).print(f"wrote {json_out}")
     bad = [(r["dtype"], r["batch"], r["engine"]) for r in rows if r["dtype"] == "float32" and
            r["identical"] != r["prompts"]]
