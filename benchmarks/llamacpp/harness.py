@@ -108,7 +108,8 @@ NGRAM_ARGS = ("--spec-type", "ngram-simple")  # llama.cpp's own draft-free specu
 @dataclass
 class Server:
     """One llama-server (one slot) on a free port; `with Server(target, dspark_args(d)) as s: s.complete(ids, n)`.
-    Plain and speculative servers differ only in `spec` (the speculative flags)."""
+    Plain and speculative servers differ only in `spec` (the speculative flags). `--no-repack`: with weight
+    repacking on, this build segfaults in the packaged Q4_1 target's warm-up on this AMX CPU (docs/llamacpp.md)."""
 
     target: Path
     spec: tuple[str, ...] = ()
@@ -122,7 +123,7 @@ class Server:
     def command(self) -> list[str]:
         return [str(binary("llama-server")), "-m", str(self.target), "-t", str(self.threads), "-tb",
                 str(self.threads), "-c", str(self.ctx), "-np", "1", "--port", str(self.port), "--host", "127.0.0.1",
-                "--no-webui", "--temp", "0", "--seed", "0", "-lv", str(self.verbosity), *self.spec]
+                "--no-webui", "--temp", "0", "--seed", "0", "-lv", str(self.verbosity), "--no-repack", *self.spec]
 
     def __enter__(self) -> Server:
         with socket.socket() as s:
@@ -240,8 +241,12 @@ def provenance() -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
+    from dspark_sgl.dtypes import cpu_flags
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0], "commit": commit,
+    isa = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"))
+    return {"cpu": cpu, "cpu_isa": isa, "cores": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0],
+            "commit": commit,
             "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
             "llama_cpp": f"llama-cpp-python=={VERSION} sdist (vendored llama.cpp)",
             "box": "shared with other jobs (figures are ratios on one box, one run)"}
