@@ -132,7 +132,7 @@ class Server:
         self.log = self.log or Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a saturated shared box: minutes to load and warm up
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
@@ -143,7 +143,7 @@ class Server:
             except OSError:
                 time.sleep(0.3)
         self.__exit__()
-        raise RuntimeError(f"llama-server did not become healthy in 120 s; log {self.log}")
+        raise RuntimeError(f"llama-server did not become healthy in 600 s; log {self.log}")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
