@@ -46,3 +46,11 @@ test-sglang: install
 # loopback trainer (kills and exact resume).
 test-first-run: install
 	$(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
+
+# llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl; ~40+ min on 2 shared
+# cores, then reused) running our GGUF export: T=0 identity with and without the draft, llama.cpp's drafts = ours,
+# export = llama.cpp's converter (docs/llamacpp.md). A missing build fails the tests, never skips them.
+.PHONY: test-llamacpp
+test-llamacpp: install
+	PYTHON=$(BIN)/python nice -n 10 bash benchmarks/llamacpp/build.sh
+	$(BIN)/python -m pytest -q -m slow tests/test_llamacpp.py
