@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests" / "sglang_cpu"))
 sys.path.insert(0, str(ROOT / "tests"))
 from dspark_testkit import Server, bigram_table, build_bigram_draft  # noqa: E402
 
-DEFAULT_DATA = ROOT.parent.parent / "shared" / "data" / "eval" / "gsm8k.jsonl"
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eval" / "gsm8k.jsonl"
 GAMMA = 7
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
