@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.llamacpp import harness
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # server starts took 1–5 min each on a loaded box
 gguf = pytest.importorskip("gguf")
 N_TOKENS = 128
 
