@@ -114,10 +114,9 @@ def evaluate_dataset(
 
 def plot_acceptance(report: DatasetReport, path: str | Path) -> Path:
     """Bar chart of P(draft k accepted), k = 1..γ, for one dataset (PNG)."""
-    import matplotlib
+    from dspark_sgl.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ks = list(range(1, len(report.per_position_accept) + 1))
     fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -128,12 +127,7 @@ def plot_acceptance(report: DatasetReport, path: str | Path) -> Path:
     ax.set_ylabel("P(draft k accepted) (%)")
     ax.set_title(f"{report.name}: τ = {report.tau:.2f} over {report.prompts} prompts")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def report_dict(reports: list[DatasetReport], **meta) -> dict:

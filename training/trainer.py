@@ -507,10 +507,9 @@ class MetricLogger:
 def plot_curves(metrics: Path, out: Path) -> None:
     """Loss and τ_prob (the trainer's per-step acceptance estimate) against the step, from metrics.jsonl (a resumed
     run's file holds every step once per run: the last record of each step wins)."""
-    import matplotlib
+    from dspark_sgl.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = {}
     for line in metrics.read_text().splitlines():
@@ -524,9 +523,7 @@ def plot_curves(metrics: Path, out: Path) -> None:
     ax2.set(xlabel="step", ylabel="τ_prob", title="expected accepted length (training anchors)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
 
 
 def train(recipe: Recipe, recipe_path: str | None = None, overrides: list[str] | None = None,
