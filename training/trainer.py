@@ -499,7 +499,10 @@ class MetricLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
-            plot_curves(Path(self.file.name), Path(self.file.name).with_name("curves.png"))
+            try:  # a figure must never cost the run that just trained: the metrics file holds the same numbers
+                plot_curves(Path(self.file.name), Path(self.file.name).with_name("curves.png"))
+            except ImportError as e:
+                print(f"curves.png not drawn ({e}); the curves are in {self.file.name}")
         if self.wandb is not None:
             self.wandb.finish()
 
