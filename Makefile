@@ -15,7 +15,7 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo quick-demo test lint test-sglang test-slow
+.PHONY: install demo quick-demo test lint test-sglang test-slow test-first-run
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -50,6 +50,19 @@ test-sglang: install
 
 # Every other slow test: the newcomer's first run (2 ranks of the README recipe from an empty $HOME /
 # $XDG_CACHE_HOME), the 2-node loopback trainer (kills and exact resume), the trainer's rank/kill/resume and
-# engine-mode equivalences, the MLA recipe, the vocabulary recipe.
+# engine-mode equivalences, the MLA recipe, the vocabulary recipe. Not llama.cpp: its build is test-llamacpp's.
 test-slow: install
-	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m 'slow and not sglang' tests/
+	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m 'slow and not sglang and not llamacpp' tests/
+
+# A part of test-slow, on its own: the newcomer's first run and the 2-node loopback trainer (kills and exact resume).
+test-first-run: install
+	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
+
+# llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl; ~40+ min on 2 shared
+# cores, then reused) running our GGUF export: T=0 identity with and without the draft, llama.cpp's drafts = ours,
+# export = llama.cpp's converter (docs/llamacpp.md). A missing build fails the tests, never skips them. Not in CI
+# (.ci/run): the build alone would take most of its 75 min.
+.PHONY: test-llamacpp
+test-llamacpp: install
+	PYTHON=$(BIN)/python nice -n 10 bash benchmarks/llamacpp/build.sh
+	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m llamacpp tests/test_llamacpp.py

@@ -8,6 +8,7 @@ SGLANG_VERSION=0.5.23
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<PY 2>/dev/null
 import importlib.metadata as m, sys
+import matplotlib  # the test-time set grows: a venv from an older list is topped up below
 sys.exit(0 if m.version("sglang") == "$SGLANG_VERSION" and m.version("torch").startswith("2.13.0") else 1)
 PY
 then
@@ -22,7 +23,7 @@ else
   mapfile -t SERVE_CPU < <("$VENV/bin/python" -c 'import sys, tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["serve-cpu"]))' \
     "$REPO/pyproject.toml")
-  "${PIP[@]}" "${SERVE_CPU[@]}" pytest pytest-timeout safetensors typer rich pyyaml scipy
+  "${PIP[@]}" "${SERVE_CPU[@]}" pytest pytest-timeout safetensors typer rich pyyaml scipy matplotlib "python-dateutil<3"
   # Refuse a CUDA torch that a dependency may have dragged in.
   "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') and torch.version.cuda is None else 'CUDA or wrong torch: ' + torch.__version__)"
 fi

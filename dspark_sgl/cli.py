@@ -221,9 +221,11 @@ def eval_cmd(
     dtype: DTYPE = "auto",
     seed: int = 0,
     json_out: Path | None = None,
+    plot_dir: Annotated[Path | None, typer.Option(
+        help="Where to write each dataset's per-position acceptance PNG (default: beside --json-out).")] = None,
 ) -> None:
     """Acceptance (τ, per-position) and speed over benchmark prompt files."""
-    from dspark_sgl.evaluate import evaluate_dataset, report_dict
+    from dspark_sgl.evaluate import evaluate_dataset, plot_acceptance, report_dict
     from dspark_sgl.loading import eos_ids
     from dspark_sgl.speculative.engine import SamplingConfig
 
@@ -248,10 +250,18 @@ def eval_cmd(
                       *(f"{a:.2f}" for a in r.per_position_accept))
     Console().print(table)
     for r in reports:
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in r.step_ms.items())
+        console.print(f"{r.name}: ms per step (batch of {batch_size}): {steps}")
+        if engine.draft is None:
+            continue
         split = ", ".join(f"{k} {v:.2f}" for k, v in r.draft_step_ms.items())
         cov = r.draft_vocab_coverage
         cov = "" if cov is None else f"; output tokens inside the draft vocabulary {cov:.1%}"
         console.print(f"{r.name}: draft step ms: {split}{cov}")
+        where = plot_dir or (json_out.parent if json_out else None)
+        if where is not None:
+            stem = f"{json_out.stem}." if json_out and not plot_dir else ""
+            console.print(f"wrote {plot_acceptance(r, where / f'{stem}{r.name}.accept.png')}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report_dict(reports, target=target, draft=draft, temperature=temperature,

@@ -28,6 +28,7 @@ class DatasetReport:
     verify_s: float
     draft_step_ms: dict[str, float] = field(default_factory=dict)  # per draft step: backbone/lm_head/markov/conf
     draft_vocab_coverage: float | None = None  # reduced vocabulary: share of the output tokens inside it
+    step_ms: dict[str, float] = field(default_factory=dict)  # per engine step (batch), by timing.STEP_PHASES
 
 
 def iter_jsonl(path: str | Path, what: str, error: type[Exception] = ValueError,
@@ -98,13 +99,35 @@ def evaluate_dataset(
 ) -> tuple[DatasetReport, list[Generation]]:
     prompts = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(path, limit)]
     gens: list[Generation] = []
+    step_s, steps = dict(engine.step_s), engine.steps
     t0 = time.perf_counter()
     line = ProgressLine(f"eval {Path(path).name}", len(prompts), every_s=20)
     for i in range(0, len(prompts), batch_size):
         gens += engine.generate(prompts[i : i + batch_size], max_new_tokens, sampling, eos)
         line.update(len(prompts[i : i + batch_size]))
     vocab = engine.draft.vocab if engine.draft is not None else None
-    return summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma, vocab), gens
+    rep = summarize(Path(path).stem, gens, time.perf_counter() - t0, engine.gamma, vocab)
+    n = max(engine.steps - steps, 1)
+    rep.step_ms = {k: 1e3 * (v - step_s[k]) / n for k, v in engine.step_s.items()}
+    return rep, gens
+
+
+def plot_acceptance(report: DatasetReport, path: str | Path) -> Path:
+    """Bar chart of P(draft k accepted), k = 1..γ, for one dataset (PNG)."""
+    from dspark_sgl.plots import pyplot, save_figure
+
+    plt = pyplot()
+
+    ks = list(range(1, len(report.per_position_accept) + 1))
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.bar(ks, [100 * a for a in report.per_position_accept])
+    ax.set_xticks(ks)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(draft k accepted) (%)")
+    ax.set_title(f"{report.name}: τ = {report.tau:.2f} over {report.prompts} prompts")
+    ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
 
 
 def report_dict(reports: list[DatasetReport], **meta) -> dict:

@@ -81,3 +81,22 @@ def test_bad_input_gives_one_clear_error(tiny_dir, tmp_path):
     bad.write_text('{"text": "no turns"}\n')
     res = invoke("eval", "--target", tiny_dir, "--no-draft", "--data", bad)
     assert res.exit_code == 2 and "bad.jsonl:1" in res.output
+
+
+def test_eval_writes_a_per_position_acceptance_plot_per_dataset(tiny_dir, tmp_path):
+    draft = tmp_path / "draft"
+    assert invoke("init-draft", "--target", tiny_dir, "--out", draft, "--layers", "1", "--markov-rank", "8",
+                  "--block-size", "3", "--num-aux", "2").exit_code == 0
+    sets = []
+    for name in ("math", "chat"):
+        sets += ["--data", tmp_path / f"{name}.jsonl"]
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"turns": [f"{name} one two"]}) + "\n")
+    res = invoke("eval", "--target", tiny_dir, "--draft", draft, *sets, "--max-new-tokens", "6",
+                 "--json-out", tmp_path / "out" / "report.json")
+    assert res.exit_code == 0, res.output
+    for name in ("math", "chat"):  # beside the JSON, one per dataset
+        assert (tmp_path / "out" / f"report.{name}.accept.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = invoke("eval", "--target", tiny_dir, "--draft", draft, *sets[:2], "--max-new-tokens", "6",
+                 "--plot-dir", tmp_path / "plots")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "plots" / "math.accept.png").read_bytes()[:4] == b"\x89PNG"

@@ -62,7 +62,9 @@ def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1")
     overrides = [f"data.train={data}", "data.skip_samples=0", "data.max_samples=8", "data.regenerate.max_new_tokens=16",
                  "train.max_steps=2", "train.epochs=1", "train.save_every=0", f"train.out_dir={tmp_path / 'run'}",
-                 "train.wandb_mode=disabled", "eval.datasets=[]", "stream.memory_cache_mb=0"]
+                 "train.wandb_mode=disabled", "eval.datasets=[]", "stream.memory_cache_mb=0",
+                 "data.mix=[{train: sharegpt, max_samples: 8, regenerate: false}]",  # the mixture, kept small
+                 "eval.calibrate_prompts=1", "eval.max_new_tokens=16"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "training",
            "--config", "configs/smollm2-135m-cpu.yaml", *overrides]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -73,4 +75,6 @@ def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
     with safe_open(str(converted / "model.safetensors"), "pt") as st:  # a rank != 0 may have converted it
         assert "model.embed_tokens.weight" in st.keys() and len(list(st.keys())) == 272
     assert (tmp_path / "run" / "draft" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "draft" / "sts.json").exists()  # the calibration phase ran on held-out prompts
+    assert "data: sharegpt: 8 records, 0 dropped" in out.stdout  # decontaminated against ../shared/data/eval
     assert "dtype auto ->" in out.stderr + out.stdout  # the recipe's dtype is chosen by capability, and said

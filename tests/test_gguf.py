@@ -1,4 +1,6 @@
-"""export-gguf: llama.cpp dflash names and metadata; every tensor read back bit-for-bit with `gguf`."""
+"""export-gguf: llama.cpp dflash names and metadata; every tensor read back bit-for-bit with `gguf`; the target's
+tokenizer and (reduced vocabulary) its K hot output rows + absolute d2t, as llama.cpp loads them (that llama.cpp
+really loads and drafts with these files: tests/test_llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -86,8 +88,9 @@ def test_names_and_metadata_llama_cpp_reads(bf16_draft, tmp_path):
         32,
     ]  # {n_embd+R,1}, {K·n,n}
     assert field(r, "general.architecture") == "dflash"
-    assert field(r, "dflash.target_layers") == [0, 2]
-    assert field(r, "dflash.block_size") == 7 and field(r, "dflash.mask_token_id") == 63
+    assert field(r, "dflash.target_layers") == [1, 3]  # llama.cpp extracts layer INPUTS: our ids [0, 2] + 1
+    assert field(r, "dflash.block_size") == 7 and field(r, "tokenizer.ggml.mask_token_id") == 63
+    assert field(r, "dflash.sample_from_anchor") is True and field(r, "dflash.has_confidence_head") is True
     assert field(r, "dflash.markov_rank") == 8 and field(r, "dflash.markov_head_type") == "vanilla"
     assert field(r, "dflash.enable_confidence_head") is True
     assert field(r, "dflash.attention.causal") is False
@@ -119,3 +122,76 @@ def test_rejects_quantized_and_unknown(bf16_draft, tmp_path):
         export_gguf(bf16_draft, tmp_path / "x.gguf", arch="llama")
     with pytest.raises(ExportError, match="no GGUF name"):
         gguf_name("layers.0.self_attn.rotary.weight")
+
+
+def fake_target(path, vocab=64, hidden=32, qtype=None, tied=True):
+    """A llama-arch target GGUF with a tokenizer and an lm_head (token_embd when tied), F32 or quantized."""
+    rng = np.random.default_rng(0)
+    head = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(hidden)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    name = "token_embd.weight" if tied else "output.weight"
+    if qtype is None:
+        w.add_tensor(name, head)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(head, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", [None, gguf.GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+def test_reduced_vocabulary_carries_the_targets_hot_rows_and_absolute_d2t(tmp_path, qtype):
+    """llama.cpp scatters the K-row head's logits through d2t (absolute ids): the head must be the target's own rows
+    at exactly those ids, in the target's type byte for byte (tests the K-row head llama.cpp asserts on)."""
+    torch.manual_seed(0)
+    draft = DSparkDraft(tiny(draft_vocab_size=8))
+    hot = torch.tensor([0, 3, 5, 9, 17, 40, 41, 63])
+    draft.set_vocab(hot)
+    draft.save_pretrained(tmp_path / "d")
+    target = fake_target(tmp_path / "t.gguf", qtype=qtype)
+    export_gguf(tmp_path / "d", tmp_path / "d.gguf", target_gguf=target)
+    r, t = gguf.GGUFReader(str(tmp_path / "d.gguf")), gguf.GGUFReader(str(target))
+    got = {x.name: x for x in r.tensors}
+    head = {x.name: x for x in t.tensors}["token_embd.weight"]
+    assert got["d2t"].tensor_type == gguf.GGMLQuantizationType.I64
+    assert got["d2t"].data.tolist() == hot.tolist()
+    out = got["output.weight"]
+    assert out.tensor_type == head.tensor_type and [int(d) for d in out.shape] == [32, 8]
+    assert np.array_equal(np.asarray(out.data), np.asarray(head.data)[hot.numpy()])
+    assert [int(d) for d in got["markov_w2.weight"].shape] == [8, 8]  # {R, K}
+    assert [int(d) for d in got["markov_w1.weight"].shape] == [8, 64]  # {R, V}
+    assert field(r, "tokenizer.ggml.tokens") == field(t, "tokenizer.ggml.tokens")
+    assert field(r, "tokenizer.ggml.model") == "gpt2" and field(r, "tokenizer.ggml.mask_token_id") == 63
+
+
+def test_full_vocabulary_with_target_has_tokenizer_and_no_head(tmp_path):
+    DSparkDraft(tiny()).save_pretrained(tmp_path / "d")
+    export_gguf(tmp_path / "d", tmp_path / "d.gguf", target_gguf=fake_target(tmp_path / "t.gguf", tied=False))
+    r = gguf.GGUFReader(str(tmp_path / "d.gguf"))
+    names = {x.name for x in r.tensors}
+    assert "output.weight" not in names and "d2t" not in names and "token_embd.weight" not in names
+    assert field(r, "tokenizer.ggml.bos_token_id") == 1 and len(field(r, "tokenizer.ggml.tokens")) == 64
+
+
+def test_refusals_for_llama_cpp(tmp_path):
+    DSparkDraft(tiny(draft_vocab_size=8)).save_pretrained(tmp_path / "k")
+    with pytest.raises(ExportError, match="reduced-vocabulary draft .* needs the target GGUF"):
+        export_gguf(tmp_path / "k", tmp_path / "k.gguf")
+    DSparkDraft(tiny()).save_pretrained(tmp_path / "d")
+    with pytest.raises(ExportError, match="vocabulary 48 .* not this draft's target"):
+        export_gguf(tmp_path / "d", tmp_path / "d.gguf", target_gguf=fake_target(tmp_path / "t48.gguf", vocab=48))
+    with pytest.raises(ExportError, match="does not exist"):
+        export_gguf(tmp_path / "d", tmp_path / "d.gguf", target_gguf=tmp_path / "nope.gguf")
+    DSparkDraft(tiny(markov_head_type="gated")).save_pretrained(tmp_path / "g")
+    target = fake_target(tmp_path / "t.gguf")
+    with pytest.raises(ExportError, match="only the vanilla Markov head"):
+        export_gguf(tmp_path / "g", tmp_path / "g.gguf", target_gguf=target)
+    export_gguf(tmp_path / "g", tmp_path / "g.gguf", arch="dspark", target_gguf=target)  # forks run it

@@ -297,7 +297,7 @@ def test_gguf_dflash_mla_layout_reads_back_bit_for_bit(mla_folder, tmp_path):
     assert fields["dflash.attention.key_length_mla"] == 12 and fields["dflash.attention.value_length_mla"] == 8
     assert fields["dflash.rope.dimension_count"] == 4 and fields["dflash.rope.scaling.factor"] == 4.0
     assert fields["dflash.block_size"] == 4 and fields["dflash.embedding_length"] == H
-    assert list(fields["dflash.target_layers"]) == [0, 2] and fields["dflash.markov_rank"] == 8
+    assert list(fields["dflash.target_layers"]) == [1, 3] and fields["dflash.markov_rank"] == 8  # layer inputs
 
     def raw(name):  # bytes of a GGUF tensor as a torch tensor of its stored (numpy) shape
         t = got[name]

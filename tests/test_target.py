@@ -74,3 +74,31 @@ def test_select_drops_finished_requests_and_trims_padding():
     for b, p in enumerate(prompts[1:]):
         ref = target.forward(torch.tensor([p + new[b].tolist()]))
         torch.testing.assert_close(out.logits[b], ref.logits[0, -2:], atol=1e-4, rtol=1e-4)
+
+
+def test_rolled_back_columns_stay_hidden_and_positions_follow_each_row():
+    """In-place per-row KV: after ragged rollbacks, rows leaving and the buffers growing, every forward equals a full
+    recompute of each request alone, even with the columns past each row's end filled with garbage (a rejected
+    token left visible, or a position id that ignores a row's rollback, changes the logits)."""
+    target = HFTarget(tiny_llama(), [1])
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
+    kv = TargetKV(target, prompts)  # no reserve: the buffers grow on the way
+    kv.prefill()
+    g = torch.Generator().manual_seed(1)
+    seqs, live = [list(p) for p in prompts], [0, 1, 2, 3]
+    for step in range(6):
+        if step == 3:  # requests 0 and 3 finish: columns that are padding in both others go too
+            live = [1, 2]
+            kv.select(torch.tensor([1, 2]))
+        for t in kv.cache.keys + kv.cache.values:  # garbage in every column past a row's end
+            t.masked_fill_((torch.arange(t.shape[2]) >= kv.end[:, None])[:, None, :, None], 1e3)
+        new = torch.randint(1, 64, (len(live), 4), generator=g)
+        out = kv.extend(new)
+        for b, r in enumerate(live):
+            ref = target.forward(torch.tensor([seqs[r] + new[b].tolist()]))
+            torch.testing.assert_close(out.logits[b], ref.logits[0, -4:], atol=1e-4, rtol=1e-4)
+        keep = torch.randint(0, 5, (len(live),), generator=g)
+        kv.commit(4, keep)
+        for b, r in enumerate(live):
+            seqs[r] += new[b, : keep[b]].tolist()
+        assert kv.lengths.tolist() == [len(seqs[r]) for r in live]

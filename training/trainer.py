@@ -499,7 +499,10 @@ class MetricLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
-            plot_curves(Path(self.file.name), Path(self.file.name).with_name("curves.png"))
+            try:  # a figure must never cost the run that just trained: the metrics file holds the same numbers
+                plot_curves(Path(self.file.name), Path(self.file.name).with_name("curves.png"))
+            except ImportError as e:
+                print(f"curves.png not drawn ({e}); the curves are in {self.file.name}")
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -507,10 +510,9 @@ class MetricLogger:
 def plot_curves(metrics: Path, out: Path) -> None:
     """Loss and τ_prob (the trainer's per-step acceptance estimate) against the step, from metrics.jsonl (a resumed
     run's file holds every step once per run: the last record of each step wins)."""
-    import matplotlib
+    from dspark_sgl.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = {}
     for line in metrics.read_text().splitlines():
@@ -524,9 +526,7 @@ def plot_curves(metrics: Path, out: Path) -> None:
     ax2.set(xlabel="step", ylabel="τ_prob", title="expected accepted length (training anchors)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
 
 
 def train(recipe: Recipe, recipe_path: str | None = None, overrides: list[str] | None = None,

@@ -22,7 +22,7 @@ from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
-from dspark_sgl.speculative.timing import PHASES, StepTimer
+from dspark_sgl.speculative.timing import PHASES, STEP_PHASES, StepTimer
 from dspark_sgl.targets.hf import HFTarget, TargetKV
 
 # (proposal, limit-free) -> verify lengths [B] in 1..γ+1; see dspark_sgl.speculative.scheduler
@@ -84,6 +84,9 @@ class SpecEngine:
                  time_split: bool = False):
         """time_split: also record where each draft step's time goes (RequestStats.draft_split; syncs on CUDA)."""
         self.target, self.draft, self.planner, self.time_split = target, draft, planner, time_split
+        # Engine totals over every generate() call (callers difference two readings): seconds per STEP_PHASES phase
+        # summed over decode steps, the steps, and the prefill seconds.
+        self.step_s, self.steps, self.prefill_s = dict.fromkeys(STEP_PHASES, 0.0), 0, 0.0
         if draft is not None:
             draft.config.validate(target.hidden_size, target.num_layers, target.vocab_size)
             if draft.config.target_layer_ids != target.layer_ids:
@@ -121,7 +124,7 @@ class SpecEngine:
         gen = torch.Generator(device=self.target.device).manual_seed(s.seed)
         B = len(prompts)
         outs = [Generation([], RequestStats(self.gamma)) for _ in range(B)]
-        kv = TargetKV(self.target, prompts)
+        kv = TargetKV(self.target, prompts, reserve=max_new_tokens + self.gamma + 1)
         t0 = time.perf_counter()
         first = kv.prefill(logits="last")
         anchor = self._next_tokens(first.logits[:, -1], bs, gen, prompts, outs, range(B))
@@ -129,11 +132,17 @@ class SpecEngine:
         if self.draft is not None:
             ctx = DraftContextCache(self.draft, B, self.target.device, self.draft.fc.weight.dtype)
             ctx.append(first.aux, kv.lengths, start=kv.pad)
+        dt = _sync_time(anchor) - t0
+        self.prefill_s += dt
         for b in range(B):
-            outs[b].stats.verify_s += time.perf_counter() - t0
-        self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens)
+            outs[b].stats.verify_s += dt
+        # token counts of each row's output so far, kept up to date as tokens are emitted (penalties only)
+        hist = OutputHistory.from_lists([[] for _ in range(B)], self.target.vocab_size, anchor.device) \
+            if bs.any_penalty else None
+        self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens, hist)
         live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
         while True:
+            clock = StepTimer(STEP_PHASES)
             keep = [j for j, i in enumerate(live) if not (outs[i].finished or len(outs[i].token_ids) >= max_new_tokens)]
             if not keep:
                 return outs
@@ -143,12 +152,18 @@ class SpecEngine:
                 if ctx is not None:
                     ctx.select(sel)
                 anchor, live, bs = anchor[sel], [live[j] for j in keep], bs.select(sel)
+                hist = None if hist is None else OutputHistory(hist.counts[sel], hist.length[sel])
+                clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
-                         max_new_tokens, s.acceptance, self.target.vocab_size)
+                         max_new_tokens, s.acceptance, hist)
             if self.draft is None:
-                anchor = self._plain_step(kv, anchor, step)
+                anchor = self._plain_step(kv, anchor, step, clock)
             else:
-                anchor = self._spec_step(kv, ctx, anchor, step)
+                anchor = self._spec_step(kv, ctx, anchor, step, clock)
+            clock.lap("other")
+            for k, v in clock.seconds.items():
+                self.step_s[k] += v
+            self.steps += 1
 
     def _next_tokens(self, logits, bs, gen, prompts, outs, rows) -> Tensor:
         """The target's own draw for the token after each row's last token (prefill)."""
@@ -157,23 +172,27 @@ class SpecEngine:
             else None
         return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
 
-    def _plain_step(self, kv, anchor, step: _Step) -> Tensor:
-        t0 = _sync_time(anchor)
+    def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer) -> Tensor:
+        clock.lap("other", anchor)
         out = kv.extend(anchor[:, None], logits="last")
-        nxt = next_tokens(out.logits[:, -1], step.bs, step.history(anchor.device), step.noise(anchor.device))
-        dt = _sync_time(nxt) - t0
+        clock.lap("verify", out.logits)
+        nxt = next_tokens(out.logits[:, -1], step.bs, step.history, step.noise(anchor.device))
+        clock.lap("accept", nxt)
+        dt = clock.seconds["verify"] + clock.seconds["accept"]
         for o in step.outs:
             o.stats.verify_s += dt
-        self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new)
+        self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new, step.history)
         return nxt
 
-    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step) -> Tensor:
+    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer
+                   ) -> Tensor:
         draft, gamma, outs, max_new = self.draft, self.gamma, step.outs, step.max_new
         timer = StepTimer() if self.time_split else None
-        t0 = _sync_time(anchor)
+        clock.lap("other", anchor)
         h = draft.forward_step(anchor, ctx)
+        clock.lap("draft", h)
         if timer is not None:
-            timer.seconds["backbone"] += _sync_time(h) - t0
+            timer.seconds["backbone"] += clock.seconds["draft"]
         noise = step.noise(anchor.device)
         prop = propose(draft, h, anchor, step.bs, noise, timer)
         limit = None
@@ -181,16 +200,21 @@ class SpecEngine:
         if self.planner is not None:
             limit = (self.planner(prop) - 1).clamp(0, gamma)
             n_verify = int(limit.max()) + 1  # the target runs only the longest scheduled prefix
-        t1 = _sync_time(prop.tokens)
+        clock.lap("rollout", prop.tokens)
         verify_ids = torch.cat((anchor[:, None], prop.tokens[:, : n_verify - 1]), 1)
         out = kv.extend(verify_ids, logits="all")
-        logits = adjust_logits(out.logits, step.bs, step.history(anchor.device), prop.tokens[:, : n_verify - 1])
+        clock.lap("verify", out.logits)
+        logits = adjust_logits(out.logits, step.bs, step.history, prop.tokens[:, : n_verify - 1])
         res = accept_rows(prop, logits, step.bs, limit, noise, step.acceptance)
         keep = res.num_accepted + 1  # the anchor and the accepted drafts now have target KV
+        clock.lap("accept", res.bonus)
         kv.commit(n_verify, keep)
-        t2 = _sync_time(res.bonus)
+        t2 = _sync_time(keep)
         ctx.append(out.aux, keep)
         t3 = _sync_time(ctx.lengths)
+        clock.lap("commit")
+        sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
+        draft_s, verify_s = sec["draft"] + sec["rollout"] + ctx_s, sec["verify"] + sec["accept"] + sec["commit"] - ctx_s
         emitted = []
         for b, o in enumerate(outs):
             c = int(res.num_accepted[b])
@@ -199,23 +223,30 @@ class SpecEngine:
                 o.stats.verified.append(n_verify - 1 if limit is None else int(limit[b]))
                 if prop.conf_logits is not None:
                     o.stats.confidence.append(prop.conf_logits[b].tolist())
-                o.stats.draft_s += (t1 - t0) + (t3 - t2)
-                o.stats.verify_s += t2 - t1
+                o.stats.draft_s += draft_s
+                o.stats.verify_s += verify_s
                 if timer is not None:  # the context K/V of the committed tokens is backbone work too
                     for k, v in timer.seconds.items():
-                        o.stats.draft_split[k] += v + (t3 - t2 if k == "backbone" else 0.0)
+                        o.stats.draft_split[k] += v + (ctx_s if k == "backbone" else 0.0)
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
-        self._emit(outs, emitted, step.stops, max_new)
+        self._emit(outs, emitted, step.stops, max_new, step.history)
         return res.bonus
 
     @staticmethod
-    def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int) -> None:
-        for o, toks, stop in zip(outs, tokens, stops, strict=True):
+    def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int,
+              hist: OutputHistory | None) -> None:
+        """Append each row's tokens up to its stop token or max_new (and count them into hist, row for row)."""
+        for b, (o, toks, stop) in enumerate(zip(outs, tokens, stops, strict=True)):
+            n0 = len(o.token_ids)
             for t in toks:
                 if o.finished or len(o.token_ids) >= max_new:
                     break
                 o.token_ids.append(t)
                 o.finished = t in stop
+            if hist is not None and len(o.token_ids) > n0:
+                new = torch.tensor(o.token_ids[n0:], device=hist.counts.device)
+                hist.counts[b].index_add_(0, new, torch.ones(len(new), device=new.device))
+                hist.length[b] += len(new)
 
 
 @dataclass
@@ -229,13 +260,7 @@ class _Step:
     stops: list[frozenset[int]]
     max_new: int
     acceptance: str
-    vocab_size: int
-
-    def history(self, device) -> OutputHistory | None:
-        """Output so far, the anchor included (only built when some row has a penalty)."""
-        if not self.bs.any_penalty:
-            return None
-        return OutputHistory.from_lists([o.token_ids for o in self.outs], self.vocab_size, device)
+    history: OutputHistory | None  # output so far, the anchor included (only when some row has a penalty)
 
     def noise(self, device):
         if self.bs.seeds is None:

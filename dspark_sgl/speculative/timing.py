@@ -1,6 +1,9 @@
-"""Where a draft step's time goes: backbone, lm_head, Markov rollout, confidence head (`dspark eval`, `generate`).
+"""Where a reference-engine step's time goes (`dspark eval`, `generate`, benchmarks/spec_speed.py).
 
-Off by default: on CUDA every lap synchronises the device, which a served step should not pay.
+PHASES split the draft's own work (backbone, lm_head, Markov rollout, confidence head); off by default, because on
+CUDA every lap synchronises the device, which a served step should not pay. STEP_PHASES split a whole decode step
+(plain or DSpark): draft backbone, rollout (+ schedule), the target's verify forward, acceptance, commit (target KV
+and draft context bookkeeping), and the rest (emitting tokens, per-request stats, finished rows leaving the batch).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import torch
 from torch import Tensor
 
 PHASES = ("backbone", "lm_head", "markov", "confidence")
+STEP_PHASES = ("draft", "rollout", "verify", "accept", "commit", "other")
 
 
 class StepTimer:
     """Accumulates wall seconds per phase; `lap(phase, t)` closes the phase that ends when tensor t is ready."""
 
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    def __init__(self, phases: tuple[str, ...] = PHASES) -> None:
+        self.seconds = dict.fromkeys(phases, 0.0)
         self._t = time.perf_counter()
 
     def start(self, t: Tensor | None = None) -> None:

@@ -146,12 +146,21 @@ def export_gguf(
     draft: Path = typer.Option(..., "--draft", help="unquantized draft folder"),
     out: Path = typer.Option(..., "--out", help="output .gguf file"),
     arch: str = typer.Option("dflash", "--arch", help="dflash (llama.cpp upstream) or dspark"),
+    target: str = typer.Option(
+        "smollm2", "--target", help="the target GGUF llama.cpp serves (-m), or `smollm2` for the packaged one"
+    ),
 ) -> None:
-    """GGUF for llama.cpp's dflash/dspark architecture (embedding and lm_head stripped, card 003)."""
+    """GGUF for llama.cpp's dflash architecture (`llama-server -m TARGET.gguf -md OUT --spec-type draft-dspark`):
+    the target's tokenizer copied in; embedding and lm_head stripped (card 003), or, for a reduced vocabulary, the
+    target's K hot output rows as the draft's head (docs/llamacpp.md)."""
     from dspark_sgl.tools.gguf_export import export_gguf as run
 
     try:
-        summary = run(draft, out, arch)
+        if target == "smollm2":
+            from dspark_sgl.targets.smollm2 import smollm2_gguf_path
+
+            target = smollm2_gguf_path()
+        summary = run(draft, out, arch, target_gguf=target)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     typer.echo(

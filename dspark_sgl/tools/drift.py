@@ -500,10 +500,9 @@ def report_tables(report: DriftReport):
 
 def plot_decay(report: DriftReport, path: str | Path) -> Path:
     """Per-position sequential agreement, one panel per regime, 95% CI bands."""
-    import matplotlib
+    from dspark_sgl.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     regimes = report.settings["regimes"]
     fig, axes = plt.subplots(1, len(regimes), figsize=(4.2 * len(regimes), 3.6), squeeze=False, sharey=True)
@@ -522,9 +521,4 @@ def plot_decay(report: DriftReport, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("sequential agreement with FP32 (%)")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -1,18 +1,29 @@
 """Export a DSpark draft to GGUF for llama.cpp's `dflash` architecture (DFlash + Markov/confidence heads).
 
-Names follow llama.cpp master's gguf-py constants for MODEL_ARCH.DFLASH (the PyPI `gguf` release predates
-them, so they are spelled out here): the Qwen3 block tensors `blk.N.*`, `fc` (context projection),
-`enc.output_norm` (its RMSNorm, our `hidden_norm`), `output_norm` (final norm), and the optional DSpark heads
-`markov_w1`, `markov_w2`, `conf_proj` (weight + bias). llama.cpp reads the Markov rank from markov_w1's shape;
-we also write `{arch}.markov_rank` and the other DSpark keys, which the `dspark` arch variant of forks
-requires.
+The layout is what llama.cpp's own reader wants (the llama.cpp vendored in `llama-cpp-python==0.3.36`:
+`src/models/dflash.cpp`, `conversion/qwen.py` DSparkModel, `common/speculative.cpp` draft-dspark; docs/llamacpp.md):
+the Qwen3 block tensors `blk.N.*`, `fc` (context projection), `enc.output_norm` (its RMSNorm, our `hidden_norm`),
+`output_norm` (final norm), the DSpark heads `markov_w1` {R, V}, `markov_w2` {R, K}, `conf_proj` {H+R, 1} (+ bias).
+Where the conventions differ, the export converts:
+- `dflash.target_layers` are llama.cpp's extract ids, the INPUT of target layer j: our id i (the output of layer
+  i) is written as i + 1, as llama.cpp's converter does;
+- the mask id is `tokenizer.ggml.mask_token_id` (llama.cpp reads it from the vocabulary), and the tokenizer itself is
+  copied from the target GGUF (`target_gguf`, the file served as `-m`): llama.cpp loads no model without one, and a
+  draft whose vocabulary is byte-identical to its target's passes llama.cpp's draft/target compatibility check;
+- a reduced vocabulary (`draft_vocab_size` K + `d2t`): llama.cpp wants the draft to carry its K-row head and `d2t` as
+  absolute target ids (I64 [K]); we gather the target GGUF's own output rows (`output.weight`, or `token_embd.weight`
+  when tied) at the hot ids, in the target's GGML type byte for byte (quantized blocks never straddle rows), so the
+  draft scores its K tokens with exactly the numbers the target would;
+- `dflash.sample_from_anchor` / `dflash.has_confidence_head`: the anchor-first block (γ inputs give γ drafts).
+llama.cpp runs only the vanilla Markov head, with the confidence head reading [h ; markov_w1[prev]]; other heads
+export only as `--arch dspark` (forks). Per-position STS temperatures are written but llama.cpp's
+`--spec-draft-p-min` compares the raw sigmoid.
 
 Card 003: the embedding and lm_head are the target's and never run in the draft graph (llama.cpp borrows them
 from the target context), so they are stripped; a peer folder that ships them loses them here, by name, in the
 summary. 2-D weights keep their source dtype byte for byte (BF16 stays BF16); 1-D norms and biases are widened
 to F32 (exact), as llama.cpp's converters do, because ggml's norm kernels take F32. Non-vanilla Markov heads
-(gated, rnn) export their extra projections as `markov_gate` / `markov_joint`; upstream llama.cpp only runs
-the vanilla head.
+(gated, rnn) export their extra projections as `markov_gate` / `markov_joint` under `--arch dspark`.
 
 MLA drafts (card 003, the dflash+MLA layout): llama.cpp's DeepSeek-2 names (`attn_q_a`, `attn_q_a_norm`, `attn_q_b`,
 `attn_kv_a_mqa`, `attn_kv_a_norm`, `attn_output`) and kv_b_proj split per head into `attn_k_b` [n_head, kv_lora,
@@ -192,23 +203,92 @@ def _write_metadata(w, arch: str, c: DSparkConfig, file_type: int, name: str) ->
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
     w.add_causal_attention(False)
-    w.add_array(f"{arch}.target_layers", [int(i) for i in c.target_layer_ids])
+    # llama.cpp extracts the INPUT of target layer j (hidden_states[j]); our id i is the OUTPUT of layer i.
+    w.add_array(f"{arch}.target_layers", [int(i) + 1 for i in c.target_layer_ids])
     w.add_uint32(f"{arch}.target_hidden_size", c.hidden_size)
     if c.num_target_layers is not None:
         w.add_uint32(f"{arch}.num_target_layers", c.num_target_layers)
     w.add_uint32(f"{arch}.block_size", c.block_size)
     w.add_uint32(f"{arch}.mask_token_id", int(c.mask_token_id))
+    w.add_uint32("tokenizer.ggml.mask_token_id", int(c.mask_token_id))  # the key llama.cpp reads
     w.add_uint32(f"{arch}.markov_rank", c.markov_rank)
     w.add_string(f"{arch}.markov_head_type", c.markov_head_type)
     w.add_bool(f"{arch}.enable_confidence_head", c.enable_confidence_head)
+    w.add_bool(f"{arch}.has_confidence_head", c.enable_confidence_head)  # llama.cpp's name for it
     w.add_bool(f"{arch}.confidence_head_with_markov", c.confidence_head_with_markov)
     w.add_bool(f"{arch}.sample_from_anchor", c.sample_from_anchor)
     if c.sts_temperatures is not None:
         w.add_array(f"{arch}.sts_temperatures", [float(t) for t in c.sts_temperatures])
 
 
-def export_gguf(draft_dir: str | Path, out_path: str | Path, arch: str = "dflash") -> ExportSummary:
-    """Write one GGUF file with every draft tensor (bit-exact) and the DSpark metadata llama.cpp reads."""
+@dataclass
+class TargetGGUF:
+    """What the draft takes from the target GGUF llama.cpp serves: its tokenizer and (reduced vocabulary) head rows."""
+
+    path: Path
+    reader: object
+
+    @classmethod
+    def open(cls, path: str | Path, config: DSparkConfig) -> TargetGGUF:
+        import gguf
+
+        path = Path(path)
+        if not path.is_file():
+            raise ExportError(f"target GGUF {path} does not exist")
+        reader = gguf.GGUFReader(str(path))
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ExportError(f"{path} carries no tokenizer (tokenizer.ggml.tokens): not a llama.cpp target GGUF")
+        target = cls(path, reader)
+        arch = target.field("general.architecture")
+        n_vocab, n_embd = len(reader.fields["tokenizer.ggml.tokens"].data), target.field(f"{arch}.embedding_length")
+        if (n_vocab, n_embd) != (config.vocab_size, config.hidden_size):
+            raise ExportError(
+                f"target GGUF {path} has vocabulary {n_vocab} and hidden size {n_embd}; the draft was made for "
+                f"{config.vocab_size} and {config.hidden_size}: not this draft's target"
+            )
+        return target
+
+    def field(self, key: str):
+        return self.reader.fields[key].contents()
+
+    def copy_tokenizer(self, w) -> None:
+        """Every tokenizer.* key, typed as in the target (the draft's vocabulary IS the target's)."""
+        for key, f in self.reader.fields.items():
+            if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
+                w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+
+    def head_rows(self, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """The target's output rows at these token ids: (payload, GGML type), byte for byte in the target's type."""
+        tensors = {t.name: t for t in self.reader.tensors}
+        head = tensors.get("output.weight") or tensors.get("token_embd.weight")  # tied: the embedding is the head
+        if head is None:
+            raise ExportError(f"{self.path} has neither output.weight nor token_embd.weight")
+        rows = np.ascontiguousarray(head.data[ids])  # [V, H] elements or [V, bytes per row] for quantized types
+        return rows, head.tensor_type
+
+
+def _check_llama_cpp_graph(arch: str, c: DSparkConfig) -> None:
+    """The upstream dflash graph runs the vanilla Markov head and a [h ; markov_w1[prev]] confidence head only."""
+    if arch != "dflash":
+        return
+    if c.markov_head_type != "vanilla":
+        raise ExportError(
+            f"llama.cpp's dflash graph runs only the vanilla Markov head, not {c.markov_head_type!r}: "
+            "export with --arch dspark (forks) or train a vanilla head"
+        )
+    if c.enable_confidence_head and not c.confidence_head_with_markov:
+        raise ExportError("llama.cpp's confidence head reads [h ; markov_w1[prev]]: confidence_head_with_markov=false "
+                          "has no llama.cpp equivalent")
+
+
+def export_gguf(
+    draft_dir: str | Path, out_path: str | Path, arch: str = "dflash", target_gguf: str | Path | None = None
+) -> ExportSummary:
+    """Write one GGUF file with every draft tensor (bit-exact) and the DSpark metadata llama.cpp reads.
+
+    target_gguf: the target GGUF llama.cpp serves next to the draft (`-m`). Its tokenizer is copied (llama.cpp loads
+    no model without one) and, for a reduced vocabulary, its output rows at the draft's K tokens become the draft's
+    head. Without it the file holds the draft alone (card 003's tensor layout), which llama.cpp does not load."""
     import gguf
 
     from dspark_sgl.model.draft import DSparkDraft
@@ -225,10 +305,14 @@ def export_gguf(draft_dir: str | Path, out_path: str | Path, arch: str = "dflash
             "with llama-quantize (GGUF has its own formats)"
         )
     config = DSparkConfig.from_dict(raw)
-    try:
-        config.require_full_vocab("GGUF export (llama.cpp's dflash/dspark graph)")
-    except ValueError as e:
-        raise ExportError(str(e)) from e
+    if config.reduced_vocab and target_gguf is None:
+        raise ExportError(
+            f"a reduced-vocabulary draft (draft_vocab_size={config.draft_vocab_size}) needs the target GGUF "
+            "(--target): llama.cpp wants the draft's own K-row output head, the target's rows at the d2t ids"
+        )
+    if target_gguf is not None:
+        _check_llama_cpp_graph(arch, config)
+    target = None if target_gguf is None else TargetGGUF.open(target_gguf, config)
     sts = folder / "sts.json"
     if sts.exists() and config.sts_temperatures is None:
         config.sts_temperatures = json.loads(sts.read_text())["temperatures"]
@@ -242,15 +326,28 @@ def export_gguf(draft_dir: str | Path, out_path: str | Path, arch: str = "dflash
     summary.path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(summary.path), arch)
     _write_metadata(writer, arch, config, file_type, folder.resolve().name)
+    if target is not None:
+        target.copy_tokenizer(writer)
+
+    def add(draft_name: str, target_name: str, data: np.ndarray, **kw) -> None:
+        writer.add_tensor(target_name, data, **kw)
+        prev = summary.tensors.get(draft_name)
+        summary.tensors[draft_name] = target_name if prev is None else f"{prev},{target_name}"
+        summary.written.append(target_name)
+        summary.nbytes += data.nbytes
+
     for name in sorted(state):
-        if name.startswith(STRIPPED):
-            continue  # already listed in summary.stripped (read from the files)
-        for target, t in gguf_tensors(name, state[name], config):
+        if name.startswith(STRIPPED) or name == "d2t":
+            continue  # stripped ones are already listed in summary.stripped (read from the files); d2t below
+        for gname, t in gguf_tensors(name, state[name], config):
             data, raw_dtype = _array(t)
-            writer.add_tensor(target, data, raw_dtype=raw_dtype)
-            summary.tensors[name] = target if name not in summary.tensors else f"{summary.tensors[name]},{target}"
-            summary.written.append(target)
-            summary.nbytes += data.nbytes
+            add(name, gname, data, raw_dtype=raw_dtype)
+    if config.reduced_vocab:
+        ids = (torch.arange(config.draft_vocab_size) + state["d2t"].long()).numpy()  # absolute target ids
+        add("d2t", "d2t", ids.astype(np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+        rows, qtype = target.head_rows(ids)
+        typed = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)  # numpy-typed rows
+        add("(target head rows)", "output.weight", rows, raw_dtype=None if typed else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
