@@ -439,9 +439,10 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
                                       eos_ids(tok, target), e.batch_size)
             reports.setdefault(rep.name, {})[name] = rep
         spec, plain = reports[rep.name]["dspark"], reports[rep.name].get("plain")
-        ratio = spec.tokens_per_s / plain.tokens_per_s if plain else float("nan")
+        ratio = (f"speed ratio vs plain {spec.tokens_per_s / plain.tokens_per_s:.2f}x" if plain
+                 else "plain not timed on this set")
         log(f"eval {rep.name}: τ = {spec.tau:.3f} over {spec.prompts} prompts (T={e.temperature}), "
-            f"{spec.tokens_per_s:.1f} tok/s, speed ratio vs plain {ratio:.2f}x, per-position accept "
+            f"{spec.tokens_per_s:.1f} tok/s, {ratio}, per-position accept "
             f"{[round(a, 2) for a in spec.per_position_accept]}")
     result = {name: report_dict([d[name] for d in reports.values() if name in d], draft=str(draft_dir), engine=name,
                                 temperature=e.temperature, dtype=e.dtype) for name in engines}
