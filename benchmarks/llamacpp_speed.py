@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,8 +39,10 @@ def run_config(target: Path, spec: tuple[str, ...], prompts: dict[str, list[list
     with harness.Server(target, spec, log=log) as server:
         for name, ids in prompts.items():
             out[name] = [server.complete(p, n) for p in ids]
-        stats = server.spec_stats()
-    flat = [c for name in prompts for c in out[name]]
+        flat = [c for name in prompts for c in out[name]]
+        deadline = time.time() + 10  # the server logs a request's statistics line after its response is sent
+        while 0 < len(stats := server.spec_stats()) < len(flat) and time.time() < deadline:
+            time.sleep(0.2)
     prev = {"calls_accept": 0, "acc_tokens": 0, "draft_ms": 0.0, "gen_tokens": 0}
     for c, s in zip(flat, stats if stats else [None] * len(flat), strict=True):
         c.spec = {k: (s[k] or 0) - prev[k] for k in prev} if s else None  # stats are cumulative over the server
