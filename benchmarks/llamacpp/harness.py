@@ -249,7 +249,7 @@ def provenance() -> dict:
             "commit": commit,
             "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
             "llama_cpp": f"llama-cpp-python=={VERSION} sdist (vendored llama.cpp)",
-            "box": "shared with other jobs (figures are ratios on one box, one run)"}
+            "box": "one box, one run: figures are ratios between configurations run back to back"}
 
 
 def reference_first_block(draft_dir: Path, ids: list[int], top: int = 3) -> list[list[int]]:
