@@ -28,6 +28,7 @@ from typing import Annotated
 import typer
 
 from dspark_sgl.provenance import ROOT, provenance
+from training.trainer import read_metrics
 
 RECIPE = ROOT / "configs" / "smollm2-135m-cpu.yaml"
 EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
@@ -61,10 +62,7 @@ def eval_variant(folder: Path, prompts: int, max_new_tokens: int, eval_dir: Path
 
 
 def summarise(name: str, overrides: list[str], folder: Path) -> dict:
-    rows = {}
-    for line in (folder / "run" / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        rows[rec["step"]] = rec
+    rows = read_metrics(folder / "run" / "metrics.jsonl")
     tail = [rows[s] for s in sorted(rows)[-20:]]
     ev = json.loads((folder / "eval.json").read_text())
     return {

@@ -16,12 +16,12 @@ from typing import Annotated
 import typer
 
 from dspark_sgl.provenance import provenance
+from training.trainer import read_metrics
 
 
 def summarise_run(run: Path) -> dict:
     phases = json.loads((run / "phases.json").read_text())
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    last = {m["step"]: m for m in metrics}  # a resumed run logs some steps twice: the last record wins
+    last = read_metrics(run / "metrics.jsonl")
     tail = [last[s] for s in sorted(last)[-10:]]
     out = {
         "run": str(run),

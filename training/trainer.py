@@ -508,17 +508,17 @@ class MetricLogger:
             self.wandb.finish()
 
 
+def read_metrics(metrics: Path) -> dict[int, dict]:
+    """metrics.jsonl as {step: record}. A resumed run's file holds some steps once per run: the last record wins."""
+    return {rec["step"]: rec for rec in map(json.loads, metrics.read_text().splitlines())}
+
+
 def plot_curves(metrics: Path, out: Path) -> None:
-    """Loss and τ_prob (the trainer's per-step acceptance estimate) against the step, from metrics.jsonl (a resumed
-    run's file holds every step once per run: the last record of each step wins)."""
+    """Loss and τ_prob (the trainer's per-step acceptance estimate) against the step, from metrics.jsonl."""
     from dspark_sgl.plots import pyplot, save_figure
 
     plt = pyplot()
-
-    rows = {}
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line)
-        rows[rec["step"]] = rec
+    rows = read_metrics(metrics)
     steps = sorted(rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax1.plot(steps, [rows[s]["loss"] for s in steps], lw=0.8)
