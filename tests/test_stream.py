@@ -85,7 +85,7 @@ def test_credits_and_byte_budget_bound_what_is_in_flight(endpoint):
 
 
 def test_engine_killed_mid_stream_nothing_lost_nothing_twice(endpoint):
-    engine = start_engine(endpoint)
+    engine = start_engine(endpoint, delay=0.3)  # each batch takes 0.3 s, so the kill lands inside one
     client = StreamClient([endpoint], (K_H + H) * 4, credits=6, byte_budget=1 << 20, timeout_s=1.0, give_up_s=60)
     reqs = requests(30)
     try:

@@ -129,7 +129,7 @@ def test_plane_delivers_every_key_once_with_the_engines_bytes(endpoint, kind):
 
 @pytest.mark.parametrize("kind", ["shm", "dist"])
 def test_plane_engine_killed_mid_stream_nothing_lost_nothing_twice(endpoint, kind):
-    engine = start_engine(endpoint)
+    engine = start_engine(endpoint, delay=0.3)  # each batch takes 0.3 s, so the kill lands inside one
     client = StreamClient([endpoint], PER_TOKEN, credits=6, timeout_s=TIMEOUT[kind], give_up_s=90,
                           plane=make_plane(kind, TIMEOUT[kind]), hidden_size=H)
     reqs = requests(30)
