@@ -1,0 +1,155 @@
+"""Benchmark-only SGLang plugin (`sglang.srt.plugins` entry `dspark_worker_step`, see benchmarks/worker_step.py):
+records every decode step of the worker under test into a JSONL file, counted by benchmarks/step_counter.py while
+the flag file `<log>.count` exists. Never part of the product: worker_step.py puts a throw-away dist-info that names
+this entry point on the server's PYTHONPATH.
+
+Environment: DSPARK_WORKER_STEP_LOG (the JSONL path), DSPARK_WORKER_STEP_WORKER (`ours`, `builtin` or `plain`).
+`builtin` also applies the two patches SGLang's own DSPARK worker needs to run greedy requests on a CPU: the device
+check of `_handle_dspark` lifted, and `Tensor.record_stream` a no-op for CPU tensors (it has no CPU kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_counter import StepCounter  # noqa: E402
+
+ENTRY = "dspark_worker_step"
+
+
+ACTIVE: list[StepCounter] = []  # the counter of the step being counted, if any
+
+
+class StepLog:
+    """Appends one JSON line per decode step; a step is steady when the batch holds the same requests as the last."""
+
+    def __init__(self, path: str, worker: str):
+        self.path, self.worker = Path(path), worker
+        self.flag = Path(path + ".count")
+        self.last_key: tuple | None = None
+
+    def run(self, step, batch, host_tensors):
+        key = tuple(r.rid for r in batch.reqs)
+        steady, self.last_key = key == self.last_key, key
+        count = self.flag.exists()
+        host = [t for t in host_tensors if t is not None and t is not batch.seq_lens]  # CPU: never an alias
+        t0 = time.perf_counter()
+        if count:
+            with StepCounter(host) as counter, counter.wrapped_reads():
+                ACTIVE.append(counter)
+                try:
+                    out = step()
+                finally:
+                    ACTIVE.pop()
+        else:
+            out = step()
+        ms = (time.perf_counter() - t0) * 1e3
+        rec = {"worker": self.worker, "bs": len(key), "steady": steady, "counted": count, "ms": ms}
+        if count:
+            rec.update(ops=counter.ops["worker"], bytes=counter.bytes["worker"], syncs=counter.num_syncs("worker"),
+                       sync_ops=dict(counter.syncs["worker"]), target_ops=counter.ops["target"],
+                       target_bytes=counter.bytes["target"], target_syncs=counter.num_syncs("target"),
+                       target_sync_ops=dict(counter.syncs["target"]), sync_sites=dict(counter.sites))
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return out
+
+
+def _host_tensors(batch) -> list:
+    """SGLang's host-side copies of the batch's lengths (what a step may read without a sync)."""
+    spec = batch.spec_info
+    return [batch.seq_lens_cpu, getattr(spec, "nxt_kv_lens_cpu", None)]
+
+
+def _wrap_target_forward() -> None:
+    """Ops inside the target model's forward are counted apart: it is SGLang's, the same for every worker (on a CPU
+    its torch_native attention reads lengths per request, which a CUDA backend does not)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    orig = ModelRunner.forward
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        if not ACTIVE:
+            return orig(self, *args, **kwargs)
+        with ACTIVE[-1].in_section("target"):
+            return orig(self, *args, **kwargs)
+
+    ModelRunner.forward = forward
+
+
+def _wrap_decode(cls, log: StepLog) -> None:
+    orig = cls._forward_decode
+
+    @functools.wraps(orig)
+    def forward_decode(self, batch, *args, **kwargs):
+        return log.run(lambda: orig(self, batch, *args, **kwargs), batch, _host_tensors(batch))
+
+    cls._forward_decode = forward_decode
+
+
+def _wrap_plain(log: StepLog) -> None:
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    orig = TpModelWorker.forward_batch_generation
+
+    @functools.wraps(orig)
+    def forward(self, batch=None, *args, **kwargs):
+        if batch is None or not batch.forward_mode.is_decode():
+            return orig(self, batch, *args, **kwargs)
+        return log.run(lambda: orig(self, batch, *args, **kwargs), batch, _host_tensors(batch))
+
+    TpModelWorker.forward_batch_generation = forward
+
+
+def _patch_builtin_for_cpu() -> None:
+    """The smallest changes that let SGLang's DSparkWorkerV2 serve greedy requests on a CPU (harness only)."""
+    import torch
+    from sglang.srt.arg_groups import speculative_hook
+
+    record_stream = torch.Tensor.record_stream
+
+    def record_stream_cpu_noop(t, stream):
+        if t.device.type == "cpu":
+            return None
+        return record_stream(t, stream)
+
+    torch.Tensor.record_stream = record_stream_cpu_noop
+    orig = speculative_hook._handle_dspark
+
+    def handle_dspark_on_cpu(server_args):
+        device = server_args.device
+        server_args.device = "cuda"  # the only thing the check reads; restored before anything else uses it
+        try:
+            return orig(server_args)
+        finally:
+            server_args.device = device
+
+    speculative_hook._handle_dspark = handle_dspark_on_cpu
+
+
+def load() -> None:
+    path, worker = os.environ.get("DSPARK_WORKER_STEP_LOG"), os.environ.get("DSPARK_WORKER_STEP_WORKER", "ours")
+    if not path:
+        return
+    log = StepLog(path, worker)
+    _wrap_target_forward()
+    if worker == "ours":
+        from dspark_sgl.sglang.worker import DSparkWorker
+
+        _wrap_decode(DSparkWorker, log)
+    elif worker == "builtin":
+        _patch_builtin_for_cpu()
+        from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
+
+        _wrap_decode(DSparkWorkerV2, log)
+    elif worker == "plain":
+        _wrap_plain(log)
+    else:
+        raise ValueError(f"DSPARK_WORKER_STEP_WORKER={worker!r}; expected ours, builtin or plain")
