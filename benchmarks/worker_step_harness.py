@@ -11,11 +11,14 @@ check of `_handle_dspark` lifted, and `Tensor.record_stream` a no-op for CPU ten
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+from torch.utils.weak import WeakIdKeyDictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_counter import StepCounter  # noqa: E402
@@ -24,6 +27,7 @@ ENTRY = "dspark_worker_step"
 
 
 ACTIVE: list[StepCounter] = []  # the counter of the step being counted, if any
+COPIED = WeakIdKeyDictionary()  # result tensors SGLang has copied to the host (copy_to_cpu): host-side from then on
 
 
 class StepLog:
@@ -62,9 +66,26 @@ class StepLog:
 
 
 def _host_tensors(batch) -> list:
-    """SGLang's host-side copies of the batch's lengths (what a step may read without a sync)."""
+    """What a step may read without a sync: SGLang's host-side copies of the batch's lengths, and the fields of
+    earlier step results that SGLang copied to the host (on a CPU that copy is the tensor itself)."""
     spec = batch.spec_info
-    return [batch.seq_lens_cpu, getattr(spec, "nxt_kv_lens_cpu", None)]
+    return list(itertools.chain([batch.seq_lens_cpu, getattr(spec, "nxt_kv_lens_cpu", None)], COPIED.keys()))
+
+
+def _track_host_copies() -> None:
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    orig = GenerationBatchResult.copy_to_cpu
+
+    @functools.wraps(orig)
+    def copy_to_cpu(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        for t in (self.next_token_ids, self.accept_lens, self.block_accept_lens, self.cap_lens):
+            if t is not None:
+                COPIED[t] = True
+        return out
+
+    GenerationBatchResult.copy_to_cpu = copy_to_cpu
 
 
 def _wrap_target_forward() -> None:
@@ -140,6 +161,7 @@ def load() -> None:
         return
     log = StepLog(path, worker)
     _wrap_target_forward()
+    _track_host_copies()
     if worker == "ours":
         from dspark_sgl.sglang.worker import DSparkWorker
 
