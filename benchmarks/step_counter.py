@@ -11,7 +11,8 @@ with a boolean mask (it hides a nonzero), a blocking copy into a host-side tenso
 (they reach no dispatcher op on a CPU tensor, so they are wrapped while counting). `.to(device)` of a host tensor
 is not seen on a CPU (no op), so a value moved to the device and read back later counts only if something else made
 it device-side.
-Not counted: the bounds check `F.one_hot(x, n)` runs on a CPU only.
+Not counted: the bounds check `F.one_hot(x, n)` runs on a CPU only. Counted apart (`standin`): reads inside
+dspark_sgl/sglang/cpu/, the pure-torch stand-ins for sgl_kernel's CUDA ops (on CUDA those are kernels).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, 
 COPIES = {aten.copy_.default}
 TORCH_DIR = str(Path(torch.__file__).parent)
 HERE = str(Path(__file__).resolve())
+STANDINS = "/dspark_sgl/sglang/cpu/"  # the CPU stand-ins for SGLang's CUDA kernels (sgl_kernel ops)
 
 
 def _caller():
@@ -74,7 +76,7 @@ class StepCounter(TorchDispatchMode):
         self.section = "worker"
         self.ops: Counter = Counter()
         self.bytes: Counter = Counter()
-        self.syncs: dict[str, Counter] = {"worker": Counter(), "target": Counter()}
+        self.syncs: dict[str, Counter] = {"worker": Counter(), "target": Counter(), "standin": Counter()}
         self.sites: Counter = Counter()  # where the worker's syncs are called from (file:line)
 
     @contextmanager
@@ -86,8 +88,12 @@ class StepCounter(TorchDispatchMode):
             self.section = outer
 
     def _count(self, kind: str) -> None:
-        self.syncs[self.section][kind] += 1
-        if self.section == "worker":
+        section = self.section
+        frame = _caller()
+        if section == "worker" and frame is not None and STANDINS in frame.f_code.co_filename:
+            section = "standin"  # a pure-torch stand-in for an sgl_kernel CUDA op: no host read on CUDA
+        self.syncs[section][kind] += 1
+        if section == "worker":
             self.sites[f"{kind} @ {_site()}"] += 1
 
     def is_host(self, t: torch.Tensor) -> bool:

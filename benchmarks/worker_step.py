@@ -11,7 +11,8 @@ A sync is an op that reads a device-side value on the host (see step_counter.py 
 that WOULD stall the host on CUDA). Ops per step are aten ops dispatched (a proxy for kernel launches); bytes are the
 sizes of fresh op outputs. Syncs, ops and bytes are the worker's: everything the step runs outside the target
 model's forward (ModelRunner.forward), which is SGLang's and the same for every worker; it is reported apart
-(`target_*`; on a CPU SGLang's torch_native attention reads lengths per request there, a CUDA backend does not).
+(`target_*`; on a CPU SGLang's torch_native attention reads lengths per request there, a CUDA backend does not),
+and so are reads inside the CPU stand-ins for sgl_kernel's CUDA ops (`standin_*`).
 
     python benchmarks/worker_step.py --quick --json-out out/bench/worker_step_quick.json   # batch 1, ≤ 15 min
     python benchmarks/worker_step.py                                                     # results/worker_step.json
@@ -131,6 +132,7 @@ def measure(server: HarnessServer, prompts: list[list[int]], max_new: int, batch
         "ops_per_step": mean("ops"),
         "bytes_per_step": mean("bytes"),
         "target_syncs_per_step": mean("target_syncs"),
+        "standin_syncs_per_step": mean("standin_syncs"),
         "target_ops_per_step": mean("target_ops"),
         "ms_per_step": statistics.median(r["ms"] for r in steady_t) if steady_t else None,
         "tok_s": tokens / secs,

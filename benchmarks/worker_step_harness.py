@@ -42,7 +42,11 @@ class StepLog:
         key = tuple(r.rid for r in batch.reqs)
         steady, self.last_key = key == self.last_key, key
         count = self.flag.exists()
-        host = [t for t in host_tensors if t is not None and t is not batch.seq_lens]  # CPU: never an alias
+        if batch.seq_lens_cpu is not None and batch.seq_lens_cpu is batch.seq_lens:
+            # on a CPU SGLang's `seq_lens.to("cpu")` is the tensor itself; on CUDA it is a host copy: make it one
+            batch.seq_lens_cpu = batch.seq_lens.clone()
+            host_tensors = [batch.seq_lens_cpu, *host_tensors[1:]]
+        host = [t for t in host_tensors if t is not None and t is not batch.seq_lens]
         t0 = time.perf_counter()
         if count:
             with StepCounter(host) as counter, counter.wrapped_reads():
@@ -59,7 +63,8 @@ class StepLog:
             rec.update(ops=counter.ops["worker"], bytes=counter.bytes["worker"], syncs=counter.num_syncs("worker"),
                        sync_ops=dict(counter.syncs["worker"]), target_ops=counter.ops["target"],
                        target_bytes=counter.bytes["target"], target_syncs=counter.num_syncs("target"),
-                       target_sync_ops=dict(counter.syncs["target"]), sync_sites=dict(counter.sites))
+                       target_sync_ops=dict(counter.syncs["target"]), sync_sites=dict(counter.sites),
+                       standin_syncs=counter.num_syncs("standin"))
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         return out
