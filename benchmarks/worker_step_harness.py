@@ -3,7 +3,9 @@ records every decode step of the worker under test into a JSONL file, counted by
 the flag file `<log>.count` exists. Never part of the product: worker_step.py puts a throw-away dist-info that names
 this entry point on the server's PYTHONPATH.
 
-Environment: DSPARK_WORKER_STEP_LOG (the JSONL path), DSPARK_WORKER_STEP_WORKER (`ours` or `plain`).
+Environment: DSPARK_WORKER_STEP_LOG (the JSONL path), DSPARK_WORKER_STEP_WORKER (`ours`, `builtin` or `plain`).
+`builtin` also applies the two patches SGLang's own DSPARK worker needs to run greedy requests on a CPU: the device
+check of `_handle_dspark` lifted, and `Tensor.record_stream` a no-op for CPU tensors (it has no CPU kernel).
 """
 
 from __future__ import annotations
@@ -132,6 +134,32 @@ def _wrap_plain(log: StepLog) -> None:
     TpModelWorker.forward_batch_generation = forward
 
 
+def _patch_builtin_for_cpu() -> None:
+    """The smallest changes that let SGLang's DSparkWorkerV2 serve greedy requests on a CPU (harness only)."""
+    import torch
+    from sglang.srt.arg_groups import speculative_hook
+
+    record_stream = torch.Tensor.record_stream
+
+    def record_stream_cpu_noop(t, stream):
+        if t.device.type == "cpu":
+            return None
+        return record_stream(t, stream)
+
+    torch.Tensor.record_stream = record_stream_cpu_noop
+    orig = speculative_hook._handle_dspark
+
+    def handle_dspark_on_cpu(server_args):
+        device = server_args.device
+        server_args.device = "cuda"  # the only thing the check reads; restored before anything else uses it
+        try:
+            return orig(server_args)
+        finally:
+            server_args.device = device
+
+    speculative_hook._handle_dspark = handle_dspark_on_cpu
+
+
 def load() -> None:
     path, worker = os.environ.get("DSPARK_WORKER_STEP_LOG"), os.environ.get("DSPARK_WORKER_STEP_WORKER", "ours")
     if not path:
@@ -143,7 +171,12 @@ def load() -> None:
         from dspark_sgl.sglang.worker import DSparkWorker
 
         _wrap_decode(DSparkWorker, log)
+    elif worker == "builtin":
+        _patch_builtin_for_cpu()
+        from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
+
+        _wrap_decode(DSparkWorkerV2, log)
     elif worker == "plain":
         _wrap_plain(log)
     else:
-        raise ValueError(f"DSPARK_WORKER_STEP_WORKER={worker!r}; expected ours or plain")
+        raise ValueError(f"DSPARK_WORKER_STEP_WORKER={worker!r}; expected ours, builtin or plain")

@@ -59,10 +59,14 @@ class DraftContextPool:
         return self.k.shape[1]
 
     @torch.no_grad()
-    def write(self, slots: Tensor, aux_hidden: Tensor, positions: Tensor) -> None:
-        """Context K/V of tokens with target aux hidden [N, K·H] at absolute positions [N] into slots [N]."""
+    def write(self, slots: Tensor, aux_hidden: Tensor, positions: Tensor, keep: Tensor | None = None) -> None:
+        """Context K/V of tokens with target aux hidden [N, K·H] at absolute positions [N] into slots [N]. With
+        keep [N] bool, only kept tokens are written: the others go to SGLang's padding slot 0 (never a token's slot),
+        so the write has a fixed shape and no boolean-mask indexing (which hides a device->host sync)."""
         if slots.numel() == 0:
             return
+        if keep is not None:
+            slots = torch.where(keep, slots, 0)
         ctx = self.draft.project_context(aux_hidden)[None]  # [1, N, H]
         slots = slots.long()
         for layer, (k, v) in enumerate(self.draft.context_kv(ctx, positions.long()[None])):
@@ -70,9 +74,12 @@ class DraftContextPool:
             self.v[layer, slots] = v[0].transpose(0, 1).to(self.v.dtype)
         self.slot_epoch[slots] = self.epoch
 
-    def gather(self, req_to_token: Tensor, req_pool_indices: Tensor, lengths: Tensor) -> GatheredContext:
-        """Context of each request's first lengths[b] tokens, right-padded to the longest (padding is masked)."""
-        width = max(int(lengths.max()), 1)
+    def gather(self, req_to_token: Tensor, req_pool_indices: Tensor, lengths: Tensor,
+               width: int | None = None) -> GatheredContext:
+        """Context of each request's first lengths[b] tokens, right-padded to `width` (padding is masked). Pass
+        width = the longest length from host-side state (SGLang's seq_lens_cpu): reading it off `lengths` is a
+        device->host sync."""
+        width = max(int(lengths.max()) if width is None else width, 1)
         slots = req_to_token[req_pool_indices.long(), :width].long().clamp(0, self.num_slots - 1)  # [B, S]
         k = [self.k[layer][slots].transpose(1, 2) for layer in range(self.k.shape[0])]
         v = [self.v[layer][slots].transpose(1, 2) for layer in range(self.v.shape[0])]

@@ -101,13 +101,17 @@ class SlotTokens:
     def __init__(self, num_slots: int, device):
         self.ids = torch.zeros(num_slots, dtype=torch.int32, device=device)
 
-    def write(self, slots: Tensor, tokens: Tensor) -> None:
+    def write(self, slots: Tensor, tokens: Tensor, keep: Tensor | None = None) -> None:
+        """keep [N] bool: write only those (the rest go to SGLang's padding slot 0; a fixed-shape write)."""
+        if keep is not None:
+            slots = torch.where(keep, slots, 0)
         self.ids[slots.long()] = tokens.to(torch.int32)
 
     def history(self, req_to_token: Tensor, req_pool_indices: Tensor, prompt_lens: Tensor, seq_lens: Tensor,
-                max_seq_len: int, anchor: Tensor, vocab_size: int) -> OutputHistory:
-        """Each request's output so far: slots prompt_len .. seq_len-1, then the anchor (its KV comes at verify)."""
-        L = max(max_seq_len - int(prompt_lens.min()), 0) + 1
+                max_output_len: int, anchor: Tensor, vocab_size: int) -> OutputHistory:
+        """Each request's output so far: slots prompt_len .. seq_len-1, then the anchor (its KV comes at verify).
+        max_output_len >= every seq_len - prompt_len, from host-side state (no device read)."""
+        L = max(max_output_len, 0) + 1
         pos = prompt_lens[:, None] + torch.arange(L - 1, device=seq_lens.device)[None]  # [B, L-1]
         valid = pos < seq_lens[:, None]
         slots = req_to_token[req_pool_indices.long()[:, None], pos.clamp(max=req_to_token.shape[1] - 1)]

@@ -2,8 +2,9 @@
 
 The worker marks the end of each phase of a decode step. On a CPU every op has finished when the next mark is taken,
 so host wall-clock is exact. On CUDA a host timestamp would measure kernel launches, so each mark records a CUDA event
-instead, and a step's intervals are read at the start of the next step (by then the scheduler has copied that step's
-tokens to the host, so its events are complete): no extra synchronisation inside a step.
+instead, and a step's intervals are read at the start of a later step, once its last event has completed
+(`Event.query`, which never waits; under the overlap scheduler that may be a step or two late): no synchronisation
+inside a step. Only `info()`, which SGLang calls outside any step, waits for the steps still in flight.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class StepTimes:
         self.cuda = torch.device(device).type == "cuda"
         self.clear()
         self._marks: list = []
-        self._done: list = []
+        self._done: list[list] = []  # finished steps whose intervals are not summed yet, oldest first
 
     def clear(self) -> None:
         self.steps = 0
@@ -39,12 +40,13 @@ class StepTimes:
         assert phase == PHASES[len(self._marks) - 1], f"phase {phase!r} out of order"
         self._marks.append(self._now())
         if len(self._marks) == len(PHASES) + 1:
-            self._done, self._marks = self._marks, []
+            self._done.append(self._marks)
+            self._marks = []
             if not self.cuda:
                 self._collect()
 
     def info(self) -> dict:
-        self._collect()
+        self._collect(wait=True)
         n = max(self.steps, 1)
         ms = {p: round(t / n, 3) for p, t in self.total_ms.items()}
         return {"decode_steps_timed": self.steps, "ms_per_step": ms, "total_ms_per_step": round(sum(ms.values()), 3),
@@ -57,12 +59,15 @@ class StepTimes:
         event.record()
         return event
 
-    def _collect(self) -> None:
-        if not self._done:
-            return
-        marks, self._done = self._done, []
-        if self.cuda:
-            marks[-1].synchronize()
-        for phase, (a, b) in zip(PHASES, pairwise(marks), strict=True):
-            self.total_ms[phase] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-        self.steps += 1
+    def _collect(self, wait: bool = False) -> None:
+        """Sum the finished steps whose events have completed (all of them with wait=True, outside a step)."""
+        while self._done:
+            marks = self._done[0]
+            if self.cuda:
+                if not wait and not marks[-1].query():
+                    return  # still running on the device: read it at a later step
+                marks[-1].synchronize()  # a no-op once query() said done
+            self._done.pop(0)
+            for phase, (a, b) in zip(PHASES, pairwise(marks), strict=True):
+                self.total_ms[phase] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            self.steps += 1

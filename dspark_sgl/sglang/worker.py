@@ -99,6 +99,9 @@ class DSparkWorker(BaseSpecWorker):
                                            ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
         self.planner = VerifyPlanner.from_server_args(spec, self.draft)
         self.times = StepTimes(self.device)
+        self._stale_rows: Tensor | int = 0  # request-steps capped by a stale context, summed on the device
+        self._prompts: tuple[tuple, list[int], Tensor] | None = None  # (requests, host, device) prompt lengths
+        self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context)
         self.traffic = TrafficRecorder.from_server_args()
         logger.info(
@@ -136,6 +139,8 @@ class DSparkWorker(BaseSpecWorker):
         self.slot_tokens = SlotTokens(pool.size + pool.page_size, self.device)
 
     def dump_info_records(self) -> dict:
+        self.updates.record.stale_rows += int(self._stale_rows)  # outside any step: the device count is read here
+        self._stale_rows = 0
         info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
         if self.traffic is not None:
@@ -174,8 +179,27 @@ class DSparkWorker(BaseSpecWorker):
         """Requests whose context predates the last swap verify the anchor alone (plain decoding)."""
         if stale is None:
             return lengths
-        self.updates.record.stale_rows += int(stale.sum())
+        self._stale_rows = self._stale_rows + stale.sum()
         return torch.where(stale, torch.ones_like(lengths), lengths)
+
+    def _host_width(self, key: tuple) -> int:
+        """The verify width of a confidence-scheduled step, chosen on the host before this step's lengths exist.
+
+        Reading max(lengths) would be a device->host sync, so the width comes from the previous step of the same
+        requests instead, through the verify lengths it returned as `cap_lens`, which SGLang has already copied to
+        the host (GenerationBatchResult.copy_to_cpu) by the time the next step starts: the longest of them, or the
+        full window when the last width capped someone (or nothing is known yet: new requests, copy not done).
+        This step's lengths are then capped at that width, which depends only on earlier steps, never on this
+        step's draft tokens, so acceptance stays exact."""
+        W = self.verify_width
+        if self._last is None or self._last[0] != key:
+            return W
+        _, width, result = self._last
+        done = result.copy_done
+        if result.cap_lens is None or result.cap_lens.device.type != "cpu" or (done is not None and not done.query()):
+            return W
+        longest = int(result.cap_lens.max())
+        return W if longest >= width else longest + 1
 
     # ---- one scheduler step ---------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, *, pp_proxy_tensors=None):
@@ -217,8 +241,10 @@ class DSparkWorker(BaseSpecWorker):
         anchor = draft_input.bonus_tokens.view(-1).long()
         rows = self.sampling.get(batch.reqs)
         noise = step_noise(rows, self.generator, seq_lens)  # seeded requests: a stream of (seed, anchor position)
+        lens_cpu = batch.seq_lens_cpu  # host-side: widths and budgets come from here, never from device tensors
+        longest = int(lens_cpu.max()) if lens_cpu is not None else None
 
-        ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens)
+        ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, longest)
         h = self.draft.forward_step(anchor, ctx)
         self.times.mark("draft")
         prop = propose(self.draft, h, anchor, rows, noise)
@@ -230,15 +256,21 @@ class DSparkWorker(BaseSpecWorker):
                 self._profile_sps(batch, draft_input, verify_ids)
         self.times.mark("probe")
         lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
+        key = tuple(r.rid for r in batch.reqs)
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
-            lengths = torch.full_like(lengths, W)
+            lengths, w = torch.full_like(lengths, W), W
+        elif self.planner.policy == "static" or prop.conf_logits is None or self.planner.sps is None:
+            w = W  # every request verifies γ+1 (or fewer after a swap: rows past a length are never read)
+        else:
+            w = self._host_width(key)
+            lengths = lengths.clamp(max=w)
         lengths = self._cap_stale(lengths, ctx.stale)
-        w = W if batch.return_logprob else int(lengths.max())  # the longest scheduled prefix of every request
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
         self.times.mark("verify")
-        logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens)
+        logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens,
+                                     longest)
         rule = "block" if self.block_verification else "rejection"
         acc = accept_rows(prop, logits, rows, lengths - 1, noise, rule)
         self.planner.record(lengths, w, acc.num_accepted)
@@ -250,10 +282,11 @@ class DSparkWorker(BaseSpecWorker):
         cols = torch.arange(W, device=self.device)[None]
         out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
         out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
-        keep = cols[:, :w] <= c[:, None]  # the anchor and the accepted drafts now hold target KV: give them context
-        aux = logits_output.hidden_states.view(bs, w, -1)
-        self.context.write(window.verify_cache_loc_2d[keep], aux[keep], window.positions_2d[keep])
-        self.slot_tokens.write(window.verify_cache_loc_2d[keep], verify_ids[:, :w][keep])
+        keep = (cols[:, :w] <= c[:, None]).reshape(-1)  # the anchor and the accepted drafts now hold target KV
+        aux = logits_output.hidden_states.view(bs * w, -1)
+        loc = window.verify_cache_loc_2d.reshape(-1)
+        self.context.write(loc, aux, window.positions_2d.reshape(-1), keep)
+        self.slot_tokens.write(loc, verify_ids[:, :w].reshape(-1), keep)
         logits_output.hidden_states = None
 
         if batch.return_logprob:
@@ -262,15 +295,22 @@ class DSparkWorker(BaseSpecWorker):
         self.times.mark("commit")
         if on_publish is not None:
             on_publish(new_seq_lens)
-        return GenerationBatchResult(
+        accept_lens = (c + 1).to(torch.int32)
+        result = GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=out_tokens.reshape(-1),
-            accept_lens=(c + 1).to(torch.int32),
+            accept_lens=accept_lens,
+            # SGLang's spec_cap_length / spec_block_accept_length gauges (and per-request cap histograms): the
+            # verify length each request was scheduled, and the tokens its block committed
+            cap_lens=lengths.to(torch.int32),
+            block_accept_lens=accept_lens,
             can_run_cuda_graph=can_run_graph,
             next_draft_input=make_draft_input_v2(bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W,
             new_seq_lens=new_seq_lens,
         )
+        self._last = (key, w, result)
+        return result
 
     def _window(self, batch, draft_input, width: int):
         """The first `width` columns of the verify window SGLang pre-allocated for this step (γ+1 slots each)."""
@@ -322,21 +362,31 @@ class DSparkWorker(BaseSpecWorker):
         )
         return out.logits_output, out.can_run_cuda_graph
 
-    def _target_logits(self, batch, rows, logits_output, drafts: Tensor, anchor: Tensor, seq_lens: Tensor) -> Tensor:
+    def _target_logits(self, batch, rows, logits_output, drafts: Tensor, anchor: Tensor, seq_lens: Tensor,
+                       longest: int | None) -> Tensor:
         """The verify logits [bs, w, V] with the shared per-request adjustments (penalties on each request's output
         so far plus the earlier drafts of the block, logit bias); written back so returned logprobs see them too."""
         bs = len(seq_lens)
         raw = logits_output.next_token_logits
         history = None
         if rows.any_penalty:
-            prompt_lens = torch.tensor([len(r.origin_input_ids) for r in batch.reqs], device=self.device)
-            max_len = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
+            prompt, prompt_lens = self._prompt_lens(batch.reqs)
+            if longest is None:  # no host-side lengths: read them (a sync)
+                longest = int(seq_lens.max())
             history = self.slot_tokens.history(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
-                                               prompt_lens, seq_lens, max_len, anchor, raw.shape[-1])
+                                               prompt_lens, seq_lens, longest - min(prompt), anchor, raw.shape[-1])
         logits = adjust_logits(raw.view(bs, -1, raw.shape[-1]), rows, history, drafts)
         if rows.any_penalty or rows.logit_bias is not None:
             raw.copy_(logits.view_as(raw))
         return logits
+
+    def _prompt_lens(self, reqs) -> tuple[list[int], Tensor]:
+        """Prompt lengths on the host and the device, copied to the device only when the requests change."""
+        key = tuple(r.rid for r in reqs)
+        if self._prompts is None or self._prompts[0] != key:
+            prompt = [len(r.origin_input_ids) for r in reqs]
+            self._prompts = (key, prompt, torch.tensor(prompt, device=self.device))
+        return self._prompts[1], self._prompts[2]
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)

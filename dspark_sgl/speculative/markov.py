@@ -33,17 +33,20 @@ def rollout(
     temperature: float | Tensor = 0.0,
     generator: torch.Generator | Noise | None = None,
     timer: StepTimer | None = None,
+    any_sampled: bool | None = None,
 ) -> Proposal:
     """h [B, γ, H] final draft hidden of the block, anchor [B] -> γ tokens chosen left to right.
 
     Step t adds the Markov bias of the previous token (the anchor for t = 0) to the parallel base logits, then picks
     x_t greedily (T = 0) or samples it from softmax(ℓ_t / T). temperature may be one per row ([B], 0 = greedy row).
     A reduced-vocabulary draft picks among its K tokens and maps the pick to its target id (the next step's previous
-    token is that target id).
+    token is that target id). any_sampled: whether some row of a per-row temperature is > 0, when the caller knows
+    it on the host (else it is read off the tensor: a device->host sync).
     """
     if isinstance(temperature, Tensor):
         temps = temperature.to(h.device, torch.float32)
-        any_sampled = bool((temps > 0).any())
+        if any_sampled is None:
+            any_sampled = bool((temps > 0).any())
     else:
         temps = torch.full((h.shape[0],), float(temperature), device=h.device)
         any_sampled = temperature > 0

@@ -37,7 +37,7 @@ def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: T
 def propose(draft: DSparkDraft, h: Tensor, anchor: Tensor, s: BatchSampling, noise: Noise,
             timer: StepTimer | None = None) -> Proposal:
     temps = 0.0 if s.all_greedy else torch.where(s.greedy, 0.0, s.temperature)
-    return rollout(draft, h, anchor, temps, noise, timer)
+    return rollout(draft, h, anchor, temps, noise, timer, any_sampled=not s.all_greedy)  # a non-greedy row has T > 0
 
 
 def next_tokens(logits: Tensor, s: BatchSampling, history: OutputHistory | None, noise: Noise) -> Tensor:
