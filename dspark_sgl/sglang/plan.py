@@ -359,9 +359,11 @@ def collectives(target: dict, cfg: DSparkConfig, launch: Launch, gamma: int, b: 
     R, H, V, L = launch.max_running, target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
     W = gamma + 1
     rows = []
-    if launch.tp > 1 and not cfg.own_embed_tokens:
-        rows.append(dict(layout="both", who="ours", op="all-reduce", what="draft embedding of [anchor, MASK x "
-                         "(γ-1)] through the target's VocabParallelEmbedding", shape=[R * gamma, H],
+    if launch.tp > 1:  # the target's VocabParallelEmbedding, or an own embedding once it is vocab-sharded
+        own = cfg.own_embed_tokens
+        rows.append(dict(layout="tp-sharded" if own else "both", who="ours", op="all-reduce",
+                         what=f"draft embedding of [anchor, MASK x (γ-1)] through {'its own' if own else 'the target'}"
+                              "'s vocab-parallel embedding", shape=[R * gamma, H],
                          bytes=R * gamma * H * b, per_step=1, critical=True))
     rows.append(dict(layout="replicated", who="ours", op="all-gather (start-up only)",
                      what="target lm_head shards, once in _bind_target_heads", shape=[V, H], bytes=V * H * b,
