@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -273,6 +274,12 @@ def draft_context_per_token(draft, tp: int, b: int) -> tuple[int, int]:
     return whole, L * (_div(nk, tp, "draft kv heads") * dk + _div(nv, tp, "draft kv heads") * dv) * b
 
 
+def _shown(path: str | Path) -> str:
+    """A path as the printout names it: relative to the project when inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSparkConfig, str]:
     """The draft folder's config.json when it exists, else the recipe's draft section sized for this target."""
     if launch.draft_path and (Path(launch.draft_path) / "config.json").exists():
@@ -280,13 +287,14 @@ def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSp
     from dspark_sgl.config import draft_config_for_target
     from training.recipe import load_recipe
 
-    return draft_config_for_target(target, **load_recipe(recipe).draft_dict()), f"{recipe} (draft section)"
+    return draft_config_for_target(target, **load_recipe(recipe).draft_dict()), f"{_shown(recipe)} (draft section)"
 
 
 def resolve_target_config(launch: Launch) -> tuple[dict, str]:
     if launch.model_path and (Path(launch.model_path) / "config.json").exists():
         return read_target_config(launch.model_path), f"{launch.model_path}/config.json"
-    note = f"{STAND_IN_TARGET}/config.json (stand-in: {launch.model_path or 'no --model-path'} has no config.json here)"
+    given = launch.model_path or "no --model-path"
+    note = f"{_shown(STAND_IN_TARGET)}/config.json (stand-in: {given} has no config.json here)"
     return read_target_config(STAND_IN_TARGET), note
 
 
@@ -300,6 +308,7 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
     tb = _dtype_bytes(t_dtype := target.get("torch_dtype", "bfloat16"))
     db = _dtype_bytes(launch.draft_dtype or t_dtype)
     tokens = R * C
+    kv_dtype = t_dtype if launch.kv_cache_dtype == "auto" else launch.kv_cache_dtype
     ssm_dtype = launch.mamba_ssm_dtype or target.get("mamba_ssm_dtype") or "float32"
     target_rows = target_weights(target, tp)
     caches = {"target KV (MLA latent)": kv_cache_bytes(target, tokens, dcp, launch.kv_cache_dtype)}
@@ -325,7 +334,7 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
     base = sum(target_rows.values()) + sum(caches.values())
     result = {
         "launch": {"tp": tp, "dcp": dcp, "max_running_requests": R, "context_tokens_per_request": C,
-                   "gamma": gamma, "kv_cache_dtype": launch.kv_cache_dtype, "mamba_ssm_dtype": ssm_dtype,
+                   "gamma": gamma, "kv_cache_dtype": kv_dtype, "mamba_ssm_dtype": ssm_dtype,
                    "target_dtype": t_dtype, "draft_dtype": launch.draft_dtype or t_dtype,
                    "max_mamba_cache_size": launch.mamba_cache, "mem_fraction_static": launch.mem_fraction,
                    "gpu_gb": launch.gpu_gb},
@@ -400,8 +409,8 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
     console = Console(file=out, width=140)
     la = p["launch"]
     console.print(f"[bold]DSPARK launch plan[/bold]: TP{la['tp']} DCP{la['dcp']}, {la['max_running_requests']} "
-                  f"running requests x {la['context_tokens_per_request']:,} tokens, γ={la['gamma']}; target "
-                  f"{la['target_dtype']} (experts as quantised), draft {la['draft_dtype']}, KV "
+                  f"running requests x {la['context_tokens_per_request']:,} tokens, γ={la['gamma']}\n"
+                  f"  dtypes: target {la['target_dtype']} (experts as quantised), draft {la['draft_dtype']}, KV "
                   f"{la['kv_cache_dtype']}, KDA SSM state {la['mamba_ssm_dtype']}")
     for k, v in sources.items():
         console.print(f"  {k}: {escape(v)}")
@@ -439,7 +448,7 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
                           f"{la['max_running_requests']} requests")
     console.print("Assumptions:")
     for a in p["assumptions"]:
-        console.print(f"  - {a}")
+        console.print(textwrap.fill(a, 118, initial_indent="  - ", subsequent_indent="    "))
 
 
 def main(argv: list[str] | None = None) -> int:
