@@ -448,7 +448,7 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
                           f"{la['max_running_requests']} requests")
     console.print("Assumptions:")
     for a in p["assumptions"]:
-        console.print(textwrap.fill(a, 118, initial_indent="  - ", subsequent_indent="    "))
+        console.print(textwrap.fill(a, 118, initial_indent="  - ", subsequent_indent="    ", break_on_hyphens=False))
 
 
 def main(argv: list[str] | None = None) -> int:
