@@ -153,3 +153,27 @@ def test_serve_script_dry_run_prints_the_table_and_refuses_bad_flags():
         assert text in out.stdout, text
     bad = run_script(TP="8", DCP="3")
     assert bad.returncode == 2 and "must divide --tp-size 8" in bad.stderr
+
+
+def test_cli_reads_the_target_and_draft_folders_it_is_given(tmp_path, capsys):
+    """`--model-path` / `--speculative-draft-model-path` folders with a config.json replace the stand-in and the
+    recipe, and the sglang-only flags of the launch pass through unread."""
+    from dspark_sgl.sglang.plan import main
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"text_config": TINY_TARGET}))
+    tiny_draft().save_pretrained(tmp_path / "draft")
+    assert main(["--trust-remote-code", "--model-path", str(tmp_path / "target"), "--speculative-draft-model-path",
+                 str(tmp_path / "draft"), "--tp-size", "2", "--dcp-size", "2", "--max-running-requests", "2",
+                 "--max-mamba-cache-size", "3", "--speculative-dspark-block-size", "3", "--context-len", "10",
+                 "--reasoning-parser", "kimi_k3", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["sources"] == {"target": f"{tmp_path}/target/config.json", "draft": f"{tmp_path}/draft/config.json"}
+    assert p["total"] == hand_computed()["total"]
+
+
+def test_one_rank_shares_the_target_head_and_embedding():
+    p = plan(TINY_TARGET, tiny_draft(), Launch(**{**vars(TINY_LAUNCH), "tp": 1, "dcp": 1}))
+    assert p["draft"]["replicated"]["gathered target lm_head"] == 0
+    assert p["draft"]["replicated"] == p["draft"]["tp-sharded"] | {"gathered target lm_head": 0}
+    assert p["collectives"] == []

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import textwrap
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,7 +76,6 @@ class Launch:
     mem_fraction: float | None = None
     gpu_gb: float | None = None  # the GPU's memory in vendor GB (10^9 bytes), for the fit line
     context: int = DEFAULT_CONTEXT
-    extra: list[str] = field(default_factory=list)
 
     @classmethod
     def from_args(cls, argv: list[str]) -> tuple[Launch, argparse.Namespace]:
@@ -100,13 +99,13 @@ class Launch:
         p.add_argument("--draft-recipe", default=str(DEFAULT_DRAFT_RECIPE),
                        help="training recipe whose draft section is planned when no draft folder is given")
         p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
-        a, extra = p.parse_known_args(argv)
+        a, _sglang_only = p.parse_known_args(argv)
         override = json.loads(a.json_model_override_args or "{}")
         context = a.context_len or a.context_length or DEFAULT_CONTEXT
         launch = cls(a.model_path, a.speculative_draft_model_path, a.tp_size, a.dcp_size, a.max_running_requests,
                      a.max_mamba_cache_size, a.speculative_dspark_block_size, a.kv_cache_dtype, a.mamba_ssm_dtype,
                      override.get("dspark_draft_dtype"), a.enable_linear_replayssm_spec, a.mem_fraction_static,
-                     a.gpu_gb, context, extra)
+                     a.gpu_gb, context)
         return launch, a
 
 
@@ -284,10 +283,10 @@ def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSp
     """The draft folder's config.json when it exists, else the recipe's draft section sized for this target."""
     if launch.draft_path and (Path(launch.draft_path) / "config.json").exists():
         return DSparkConfig.from_pretrained(launch.draft_path), f"{launch.draft_path}/config.json"
-    from dspark_sgl.config import draft_config_for_target
     from training.recipe import load_recipe
+    from training.target import draft_config  # the training dry run's own path from a recipe to a draft config
 
-    return draft_config_for_target(target, **load_recipe(recipe).draft_dict()), f"{_shown(recipe)} (draft section)"
+    return draft_config(load_recipe(recipe), target), f"{_shown(recipe)} (draft section)"
 
 
 def resolve_target_config(launch: Launch) -> tuple[dict, str]:
@@ -323,8 +322,12 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
     c_rep, c_tp = draft_context_per_token(draft, tp, db)
     V = math.ceil(target["vocab_size"] / 64) * 64
     slot_bytes = tokens * 8  # slot epoch + slot token id, int32 each (context.py, sampling.SlotTokens)
+    # _bind_target_heads: at TP > 1 a full all-gathered copy of the target's lm_head; a reduced vocabulary also
+    # gathers its K hot rows (in the draft's dtype) at any TP
+    head = (V * target["hidden_size"] * tb if tp > 1 else 0)
+    head += draft_cfg.draft_vocab * target["hidden_size"] * db if draft_cfg.reduced_vocab else 0
     drafts = {
-        "replicated": {"draft weights": w_rep, "gathered target lm_head": V * target["hidden_size"] * tb,
+        "replicated": {"draft weights": w_rep, "gathered target lm_head": head,
                        "draft context pool": tokens * c_rep + slot_bytes,
                        "context gathered per step (transient)": tokens * c_rep},
         "tp-sharded": {"draft weights": w_tp, "gathered target lm_head": 0,
@@ -367,13 +370,13 @@ def collectives(target: dict, cfg: DSparkConfig, launch: Launch, gamma: int, b: 
     """One decode step of `max_running` requests: who communicates what, and whether the step waits on it."""
     R, H, V, L = launch.max_running, target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
     W = gamma + 1
-    rows = []
-    if launch.tp > 1:  # the target's VocabParallelEmbedding, or an own embedding once it is vocab-sharded
-        own = cfg.own_embed_tokens
-        rows.append(dict(layout="tp-sharded" if own else "both", who="ours", op="all-reduce",
-                         what=f"draft embedding of [anchor, MASK x (γ-1)] through {'its own' if own else 'the target'}"
-                              "'s vocab-parallel embedding", shape=[R * gamma, H],
-                         bytes=R * gamma * H * b, per_step=1, critical=True))
+    if launch.tp == 1:
+        return []  # one rank: nothing to communicate
+    own = cfg.own_embed_tokens  # else the target's VocabParallelEmbedding
+    rows = [dict(layout="tp-sharded" if own else "both", who="ours", op="all-reduce",
+                 what=f"draft embedding of [anchor, MASK x (γ-1)] through {'its own' if own else 'the target'}'s "
+                      "vocab-parallel embedding", shape=[R * gamma, H], bytes=R * gamma * H * b, per_step=1,
+                 critical=True)]
     rows.append(dict(layout="replicated", who="ours", op="all-gather (start-up only)",
                      what="target lm_head shards, once in _bind_target_heads", shape=[V, H], bytes=V * H * b,
                      per_step=0, critical=False))
