@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STAND_IN_TARGET = ROOT / "configs" / "kimi-k3-target"  # K3's config.json is not in this project: see its _provenance
 DEFAULT_DRAFT_RECIPE = ROOT / "configs" / "kimi-k3-dspark.yaml"  # the RadixArk card's draft, the launch's default
 DEFAULT_CONTEXT = 131072
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 ASSUMPTIONS = (
     "TP: attention heads (MLA q_b/kv_b/o/output gate; KDA q/k/v/g/b/f_b/o, conv, dt_bias, A_log) split over the "
@@ -48,9 +48,9 @@ ASSUMPTIONS = (
     "KV: one MLA latent (kv_lora_rank + qk_rope_head_dim values) per token per MLA layer in --kv-cache-dtype "
     "(auto = the target's dtype); DCP splits every request's tokens over the DCP ranks.",
     "KDA: state head-sharded over TP; --max-mamba-cache-size + 1 persistent slots; verify scratch for "
-    "(--max-running-requests + 1) x (gamma + 1) steps per layer (SGLang's dense conv layout for KDA; no "
-    "--enable-linear-replayssm-spec, which drops the SSM part of the scratch). SSM state in the config's "
-    "mamba_ssm_dtype (absent: float32), conv windows bfloat16.",
+    "(--max-running-requests + 1) x (gamma + 1) steps per layer (SGLang's dense conv layout for KDA; "
+    "--enable-linear-replayssm-spec drops its SSM part). SSM state in --mamba-ssm-dtype, else the config's "
+    "mamba_ssm_dtype, else float32; conv windows bfloat16.",
     "Draft context pool: indexed by SGLang's slot ids, which under DCP span the widened id space (a replicated draft "
     "reads them raw, SGLang kv_cache_configurator.py), so every rank holds the context of every token of every "
     "request: not split by DCP.",
@@ -100,7 +100,10 @@ class Launch:
                        help="training recipe whose draft section is planned when no draft folder is given")
         p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
         a, _sglang_only = p.parse_known_args(argv)
-        override = json.loads(a.json_model_override_args or "{}")
+        try:
+            override = json.loads(a.json_model_override_args or "{}")
+        except json.JSONDecodeError as e:
+            p.error(f"--json-model-override-args is not JSON: {e}")
         context = a.context_len or a.context_length or DEFAULT_CONTEXT
         launch = cls(a.model_path, a.speculative_draft_model_path, a.tp_size, a.dcp_size, a.max_running_requests,
                      a.max_mamba_cache_size, a.speculative_dspark_block_size, a.kv_cache_dtype, a.mamba_ssm_dtype,
@@ -292,8 +295,8 @@ def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSp
 def resolve_target_config(launch: Launch) -> tuple[dict, str]:
     if launch.model_path and (Path(launch.model_path) / "config.json").exists():
         return read_target_config(launch.model_path), f"{launch.model_path}/config.json"
-    given = launch.model_path or "no --model-path"
-    note = f"{_shown(STAND_IN_TARGET)}/config.json (stand-in: {given} has no config.json here)"
+    why = f"{launch.model_path} has no config.json here" if launch.model_path else "no --model-path given"
+    note = f"{_shown(STAND_IN_TARGET)}/config.json (stand-in: {why})"
     return read_target_config(STAND_IN_TARGET), note
 
 
@@ -305,7 +308,8 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
         raise ConfigError(f"--dcp-size {dcp} must divide --tp-size {tp}")
     gamma = launch.block_size or draft_cfg.block_size
     tb = _dtype_bytes(t_dtype := target.get("torch_dtype", "bfloat16"))
-    db = _dtype_bytes(launch.draft_dtype or t_dtype)
+    d_dtype = {"auto": "bfloat16"}.get(launch.draft_dtype, launch.draft_dtype)  # auto: bf16 on a GPU (dtypes.py)
+    db = _dtype_bytes(d_dtype or t_dtype)
     tokens = R * C
     kv_dtype = t_dtype if launch.kv_cache_dtype == "auto" else launch.kv_cache_dtype
     ssm_dtype = launch.mamba_ssm_dtype or target.get("mamba_ssm_dtype") or "float32"
@@ -338,7 +342,7 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
     result = {
         "launch": {"tp": tp, "dcp": dcp, "max_running_requests": R, "context_tokens_per_request": C,
                    "gamma": gamma, "kv_cache_dtype": kv_dtype, "mamba_ssm_dtype": ssm_dtype,
-                   "target_dtype": t_dtype, "draft_dtype": launch.draft_dtype or t_dtype,
+                   "target_dtype": t_dtype, "draft_dtype": d_dtype or t_dtype,
                    "max_mamba_cache_size": launch.mamba_cache, "mem_fraction_static": launch.mem_fraction,
                    "gpu_gb": launch.gpu_gb},
         "target_weights": target_rows, "caches": caches, "draft": drafts,
@@ -455,12 +459,14 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from training.recipe import RecipeError
+
     launch, a = Launch.from_args(sys.argv[1:] if argv is None else argv)
     try:
         target, t_src = resolve_target_config(launch)
         draft_cfg, d_src = resolve_draft_config(launch, target, a.draft_recipe)
         p = plan(target, draft_cfg, launch)
-    except ConfigError as e:
+    except (ConfigError, RecipeError) as e:
         print(f"dry run: {e}", file=sys.stderr)
         return 2
     if a.json:
