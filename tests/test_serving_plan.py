@@ -177,3 +177,13 @@ def test_one_rank_shares_the_target_head_and_embedding():
     assert p["draft"]["replicated"]["gathered target lm_head"] == 0
     assert p["draft"]["replicated"] == p["draft"]["tp-sharded"] | {"gathered target lm_head": 0}
     assert p["collectives"] == []
+
+
+def test_the_table_in_the_docs_is_what_the_dry_run_prints():
+    """docs/serving.md pastes the output of the command it names; a change to the configs or the plan shows here."""
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    command = "K3=moonshotai/Kimi-K3 bash launch/serve_kimi_k3.sh --dry-run --gpu-gb 288"
+    pasted = doc.split(f"Printed by `{command}`:", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    out = run_script("--gpu-gb", "288")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert pasted.strip() == out.stdout.strip()
