@@ -119,6 +119,11 @@ def _div(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+def model_dtype(t: dict) -> str:
+    """The target's weight dtype as its config.json names it (newer transformers write `dtype`)."""
+    return t.get("torch_dtype") or t.get("dtype") or "bfloat16"
+
+
 def _dtype_bytes(name: str) -> int:
     if name not in BYTES:
         raise ConfigError(f"unknown dtype {name!r}; known: {sorted(BYTES)}")
@@ -129,7 +134,7 @@ def expert_bytes_per_value(t: dict) -> float:
     """Bytes per routed-expert weight value: quantised by the config's quantization_config, else the model dtype."""
     q = t.get("quantization_config")
     if not q:
-        return _dtype_bytes(t.get("torch_dtype", "bfloat16"))
+        return _dtype_bytes(model_dtype(t))
     groups = list((q.get("config_groups") or {}).values()) or [q]
     fmt = str(groups[0].get("format", q.get("format", "")))
     w = groups[0].get("weights", {})
@@ -147,7 +152,7 @@ def layer_kinds(t: dict) -> tuple[list[int], list[int]]:
 
 def target_weights(t: dict, tp: int) -> dict[str, int]:
     """Bytes per rank of each part of a KimiLinear/K3-layout target (KDA + MLA, dense or latent MoE) at TP=tp."""
-    b = _dtype_bytes(t.get("torch_dtype", "bfloat16"))
+    b = _dtype_bytes(model_dtype(t))
     H, L = t["hidden_size"], t["num_hidden_layers"]
     V = math.ceil(t["vocab_size"] / 64) * 64
     kda, mla = layer_kinds(t)
@@ -216,7 +221,7 @@ def moe_layer_bytes(t: dict, tp: int, b: int) -> tuple[int, int, int]:
 def kv_cache_bytes(t: dict, tokens: int, dcp: int, kv_dtype: str) -> int:
     """MLA latent KV of `tokens` tokens on one rank: DCP gives each rank 1/dcp of every request's tokens."""
     _, mla = layer_kinds(t)
-    b = _dtype_bytes(t.get("torch_dtype", "bfloat16") if kv_dtype == "auto" else kv_dtype)
+    b = _dtype_bytes(model_dtype(t) if kv_dtype == "auto" else kv_dtype)
     return math.ceil(tokens / dcp) * len(mla) * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * b
 
 
@@ -307,7 +312,7 @@ def plan(target: dict, draft_cfg: DSparkConfig, launch: Launch) -> dict:
     if dcp > tp or tp % dcp:
         raise ConfigError(f"--dcp-size {dcp} must divide --tp-size {tp}")
     gamma = launch.block_size or draft_cfg.block_size
-    tb = _dtype_bytes(t_dtype := target.get("torch_dtype", "bfloat16"))
+    tb = _dtype_bytes(t_dtype := model_dtype(target))
     d_dtype = {"auto": "bfloat16"}.get(launch.draft_dtype, launch.draft_dtype)  # auto: bf16 on a GPU (dtypes.py)
     db = _dtype_bytes(d_dtype or t_dtype)
     tokens = R * C
