@@ -21,6 +21,7 @@ import math
 import sys
 import textwrap
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -130,16 +131,16 @@ def _dtype_bytes(name: str) -> int:
     return BYTES[name]
 
 
-def expert_bytes_per_value(t: dict) -> float:
+def expert_bytes_per_value(t: dict) -> Fraction:
     """Bytes per routed-expert weight value: quantised by the config's quantization_config, else the model dtype."""
     q = t.get("quantization_config")
     if not q:
-        return _dtype_bytes(model_dtype(t))
+        return Fraction(_dtype_bytes(model_dtype(t)))
     groups = list((q.get("config_groups") or {}).values()) or [q]
     fmt = str(groups[0].get("format", q.get("format", "")))
     w = groups[0].get("weights", {})
     if "mxfp4" in fmt or "nvfp4" in fmt:  # 4-bit values, one 1-byte scale (E8M0 / E4M3) per group
-        return 0.5 + 1 / int(w.get("group_size", 32 if "mxfp4" in fmt else 16))
+        return Fraction(1, 2) + Fraction(1, int(w.get("group_size", 32 if "mxfp4" in fmt else 16)))
     raise ConfigError(f"the plan knows MXFP4/NVFP4 expert quantisation only, got format {fmt!r}")
 
 
