@@ -295,7 +295,8 @@ def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSp
     from training.recipe import load_recipe
     from training.target import draft_config  # the training dry run's own path from a recipe to a draft config
 
-    return draft_config(load_recipe(recipe), target), f"{_shown(recipe)} (draft section)"
+    why = f"; {launch.draft_path} has no config.json here" if launch.draft_path else ""
+    return draft_config(load_recipe(recipe), target), f"{_shown(recipe)} (draft section{why})"
 
 
 def resolve_target_config(launch: Launch) -> tuple[dict, str]:
