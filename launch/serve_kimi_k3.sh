@@ -5,6 +5,12 @@
 #   K3=/models/Kimi-K3 DRAFT=/models/Kimi-K3-DSpark bash launch/serve_kimi_k3.sh            # TP8, one node
 #   NNODES=2 NODE_RANK=0 DIST_ADDR=10.0.0.1:5000 TP=16 ... bash launch/serve_kimi_k3.sh     # TP16, run on both
 #   DRY_RUN=1 K3=... bash launch/serve_kimi_k3.sh                                            # print the command
+#   K3=... bash launch/serve_kimi_k3.sh --dry-run [--context-len N --gpu-gb G --json]        # per-rank memory plan
+#
+# --dry-run hands the exact argument list below to `python -m dspark_sgl.sglang.plan` (meta device: no weights, no
+# GPU, no SGLang): per-rank memory of target, draft (replicated vs TP-sharded), KV and KDA caches, and the per-step
+# collectives. It reads $K3/config.json and $DRAFT/config.json when they exist, else the project's K3 stand-in config
+# (configs/kimi-k3-target/) and the card's draft recipe (configs/kimi-k3-dspark.yaml; DRAFT_RECIPE=... for another).
 #
 # Which DSPARK runs: with dspark-sgl[sglang] installed, `--speculative-algorithm DSPARK` runs our plugin's worker
 # (DSPARK_IMPL=dspark-sgl, the default). K3 is a KDA + MLA hybrid: after every verify the worker commits each
@@ -42,6 +48,16 @@ args=(
 [ -n "$DRAFT" ] && args+=(--speculative-draft-model-path "$DRAFT")
 if [ "$NNODES" -gt 1 ]; then
   args+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --dist-init-addr "${DIST_ADDR:?set DIST_ADDR host:port}")
+fi
+dry_run=0
+rest=()
+for a in "$@"; do
+  if [ "$a" = "--dry-run" ]; then dry_run=1; else rest+=("$a"); fi
+done
+if [ "$dry_run" = 1 ]; then
+  here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  plan=("${args[@]}" --draft-recipe "${DRAFT_RECIPE:-$here/configs/kimi-k3-dspark.yaml}" ${rest[@]+"${rest[@]}"})
+  PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m dspark_sgl.sglang.plan "${plan[@]}"
 fi
 if [ -n "${DRY_RUN:-}" ]; then
   echo "SGLANG_PLUGINS=${SGLANG_PLUGINS-<unset>} sglang serve ${args[*]} $*"
