@@ -58,6 +58,7 @@ def load() -> None:
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
+    from dspark_sgl.sglang.guard import refuse_bad_request
     from dspark_sgl.sglang.sampling import refuse_unsupported_request
     from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
@@ -66,6 +67,7 @@ def load() -> None:
     register_mla_draft_config()
     HookRegistry.register(DISK_UPDATE_TARGET, route_disk_update, HookType.AROUND)
     HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, refuse_bad_request, HookType.BEFORE)  # every server: guard.py
     HookRegistry.register(VALIDATE_TARGET, refuse_unsupported_request, HookType.BEFORE)  # DSPARK servers only
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)

@@ -1,0 +1,70 @@
+"""One request never takes the server down: refuse what SGLang 0.5.23 passes unchecked to its scheduler.
+
+SGLang validates most of a request in the HTTP process, but a few values reach the scheduler unchecked and raise
+there, and an exception in the scheduler ends the whole server (seen on CPU, plain and DSPARK alike):
+
+- a prompt token id outside [0, vocab): IndexError in the target's embedding;
+- an empty prompt inside a batch (`"input_ids": [[]]`; SGLang refuses only a single empty one): a reshape error;
+- `logprob_start_len` below -1 with `return_logprob`: an assertion in the logprob bookkeeping;
+- `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
+- a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer.
+
+`refuse_bad_request` is a BEFORE hook on `TokenizerManager._validate_one_request`: every generate and encode path
+(native /generate single and batch, the OpenAI completions and chat endpoints, `n > 1`, batch tokenisation,
+sglang.Engine) calls it once per request with the final prompt ids, just before the request is packed for the
+scheduler, and a ValueError there is SGLang's own 400 path (its request state is released, the server keeps
+serving). Registered by the `dspark` plugin, so every server `dspark serve` starts (plain, NGRAM, DSPARK) has it.
+"""
+
+from __future__ import annotations
+
+
+def _token_id_problem(name: str, ids, vocab_size: int) -> str | None:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"{name}[{i}] = {t!r} is not an integer token id"
+        if not 0 <= t < vocab_size:
+            return f"{name}[{i}] = {t} is out of range: token ids must be in [0, {vocab_size})"
+    return None
+
+
+def request_problem(obj, input_ids, vocab_size: int) -> str | None:
+    """What is wrong with one (already split) SGLang request whose prompt is `input_ids`, or None.
+
+    `obj` is a GenerateReqInput or EmbeddingReqInput for one prompt; read by attribute so that a test can pass any
+    object with the same fields.
+    """
+    multimodal = bool(getattr(obj, "contains_mm_input", lambda: False)())
+    if input_ids is not None and not multimodal:  # multimodal prompts carry SGLang's own pad ids beyond the vocab
+        if len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
+            session = getattr(obj, "session_params", None)
+            if not (isinstance(session, dict) and session.get("id")):  # a session's history may be the prompt
+                return "input_ids is empty: a request needs at least one prompt token"
+        problem = _token_id_problem("input_ids", input_ids, vocab_size)
+        if problem:
+            return problem
+    params = getattr(obj, "sampling_params", None) or {}
+    if isinstance(params, dict) and params.get("stop_token_ids") is not None:
+        stop = params["stop_token_ids"]
+        if not isinstance(stop, list | tuple | set):
+            return f"stop_token_ids must be a list of token ids, got {type(stop).__name__}"
+        problem = _token_id_problem("stop_token_ids", list(stop), vocab_size)
+        if problem:
+            return problem
+    if getattr(obj, "return_logprob", False):
+        start = getattr(obj, "logprob_start_len", -1)
+        n = len(input_ids) if input_ids is not None else 0
+        if start is not None and not (start == -1 or 0 <= start <= n):
+            return f"logprob_start_len = {start} must be -1 (no prompt logprobs) or in [0, {n}] (the prompt length)"
+        top = getattr(obj, "top_logprobs_num", 0)
+        if top is not None and not 0 <= top <= vocab_size:
+            return f"top_logprobs_num = {top} must be in [0, {vocab_size}] (the vocabulary size)"
+    return None
+
+
+def refuse_bad_request(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
+    """BEFORE hook on TokenizerManager._validate_one_request: SGLang's ValueError (HTTP 400) naming the problem."""
+    problem = request_problem(obj, input_ids, int(tokenizer_manager.model_config.vocab_size))
+    if problem is not None:
+        raise ValueError(problem)
+    return None
