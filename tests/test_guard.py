@@ -31,6 +31,8 @@ def req(**fields) -> SimpleNamespace:
         ([1], dict(sampling_params={"stop_token_ids": [5, V], "min_new_tokens": 2}), r"stop_token_ids\[1\] = 100"),
         ([1], dict(sampling_params={"stop_token_ids": [-5]}), r"stop_token_ids\[0\] = -5 is out of range"),
         ([1], dict(sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list of token ids, got int"),
+        ([1], dict(sampling_params={"stop_regex": "("}), r"stop_regex '\(' is not a regular expression: missing \)"),
+        ([1], dict(sampling_params={"stop_regex": ["a+", "[z"]}), r"stop_regex '\[z' is not a regular expression"),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-7), r"logprob_start_len = -7 must be -1 .* \[0, 2\]"),
         ([1, 2], dict(return_logprob=True, logprob_start_len=3), r"logprob_start_len = 3 must be"),
         ([1], dict(return_logprob=True, top_logprobs_num=V + 1), r"top_logprobs_num = 101 must be in \[0, 100\]"),
@@ -50,7 +52,8 @@ def test_each_problem_is_named(ids, fields, message):
     [
         ([0, V - 1], {}),  # both ends of the vocabulary
         ([1], dict(sampling_params={"stop_token_ids": [0, V - 1], "min_new_tokens": 2})),
-        ([1], dict(sampling_params={"stop_token_ids": None})),
+        ([1], dict(sampling_params={"stop_token_ids": None, "stop_regex": None})),
+        ([1], dict(sampling_params={"stop_regex": ["\\d+\\.", "end$"]})),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-1, top_logprobs_num=V)),
         ([1, 2], dict(return_logprob=True, logprob_start_len=2, top_logprobs_num=0)),
         ([1, 2], dict(logprob_start_len=-7, top_logprobs_num=-3)),  # ignored without return_logprob (as SGLang does)

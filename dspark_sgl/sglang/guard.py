@@ -9,6 +9,8 @@ there, and an exception in the scheduler ends the whole server (seen on CPU, pla
 - `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
 - a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer.
 
+One more is refused here because SGLang answers it with a bare 500: a `stop_regex` that is not a regular expression.
+
 `refuse_bad_request` is a BEFORE hook on `TokenizerManager._validate_one_request`: every generate and encode path
 (native /generate single and batch, the OpenAI completions and chat endpoints, `n > 1`, batch tokenisation,
 sglang.Engine) calls it once per request with the final prompt ids, just before the request is packed for the
@@ -17,6 +19,8 @@ serving). Registered by the `dspark` plugin, so every server `dspark serve` star
 """
 
 from __future__ import annotations
+
+import re
 
 
 def _token_id_problem(name: str, ids, vocab_size: int) -> str | None:
@@ -28,38 +32,56 @@ def _token_id_problem(name: str, ids, vocab_size: int) -> str | None:
     return None
 
 
+def _prompt_problem(obj, input_ids, vocab_size: int) -> str | None:
+    if input_ids is None or getattr(obj, "contains_mm_input", lambda: False)():
+        return None  # embeddings; or a multimodal prompt, which carries SGLang's own pad ids beyond the vocab
+    if len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
+        session = getattr(obj, "session_params", None)
+        if not (isinstance(session, dict) and session.get("id")):  # a session's history may be the whole prompt
+            return "input_ids is empty: a request needs at least one prompt token"
+    return _token_id_problem("input_ids", input_ids, vocab_size)
+
+
+def _stop_problem(params: dict, vocab_size: int) -> str | None:
+    stop = params.get("stop_token_ids")
+    if stop is not None:
+        if not isinstance(stop, list | tuple | set):
+            return f"stop_token_ids must be a list of token ids, got {type(stop).__name__}"
+        problem = _token_id_problem("stop_token_ids", list(stop), vocab_size)
+        if problem:
+            return problem
+    regexes = params.get("stop_regex")
+    for pattern in [regexes] if isinstance(regexes, str) else regexes or ():
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            return f"stop_regex {pattern!r} is not a regular expression: {e}"
+    return None
+
+
+def _logprob_problem(obj, prompt_len: int, vocab_size: int) -> str | None:
+    if not getattr(obj, "return_logprob", False):
+        return None  # SGLang ignores both fields then
+    start = getattr(obj, "logprob_start_len", -1)
+    if start is not None and not (start == -1 or 0 <= start <= prompt_len):
+        return (f"logprob_start_len = {start} must be -1 (no prompt logprobs) or in [0, {prompt_len}] "
+                "(the prompt length)")
+    top = getattr(obj, "top_logprobs_num", 0)
+    if top is not None and not 0 <= top <= vocab_size:
+        return f"top_logprobs_num = {top} must be in [0, {vocab_size}] (the vocabulary size)"
+    return None
+
+
 def request_problem(obj, input_ids, vocab_size: int) -> str | None:
     """What is wrong with one (already split) SGLang request whose prompt is `input_ids`, or None.
 
     `obj` is a GenerateReqInput or EmbeddingReqInput for one prompt; read by attribute so that a test can pass any
     object with the same fields.
     """
-    multimodal = bool(getattr(obj, "contains_mm_input", lambda: False)())
-    if input_ids is not None and not multimodal:  # multimodal prompts carry SGLang's own pad ids beyond the vocab
-        if len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
-            session = getattr(obj, "session_params", None)
-            if not (isinstance(session, dict) and session.get("id")):  # a session's history may be the prompt
-                return "input_ids is empty: a request needs at least one prompt token"
-        problem = _token_id_problem("input_ids", input_ids, vocab_size)
-        if problem:
-            return problem
-    params = getattr(obj, "sampling_params", None) or {}
-    if isinstance(params, dict) and params.get("stop_token_ids") is not None:
-        stop = params["stop_token_ids"]
-        if not isinstance(stop, list | tuple | set):
-            return f"stop_token_ids must be a list of token ids, got {type(stop).__name__}"
-        problem = _token_id_problem("stop_token_ids", list(stop), vocab_size)
-        if problem:
-            return problem
-    if getattr(obj, "return_logprob", False):
-        start = getattr(obj, "logprob_start_len", -1)
-        n = len(input_ids) if input_ids is not None else 0
-        if start is not None and not (start == -1 or 0 <= start <= n):
-            return f"logprob_start_len = {start} must be -1 (no prompt logprobs) or in [0, {n}] (the prompt length)"
-        top = getattr(obj, "top_logprobs_num", 0)
-        if top is not None and not 0 <= top <= vocab_size:
-            return f"top_logprobs_num = {top} must be in [0, {vocab_size}] (the vocabulary size)"
-    return None
+    params = getattr(obj, "sampling_params", None)
+    return (_prompt_problem(obj, input_ids, vocab_size)
+            or (_stop_problem(params, vocab_size) if isinstance(params, dict) else None)
+            or _logprob_problem(obj, len(input_ids) if input_ids is not None else 0, vocab_size))
 
 
 def refuse_bad_request(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
