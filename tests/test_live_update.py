@@ -4,6 +4,8 @@ and the trainer's publisher against a stand-in HTTP server. The real-SGLang run 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
@@ -214,6 +216,24 @@ def test_traffic_records_trainer_samples_with_rate_budget_and_no_pii_by_default(
     assert "id0" in (tmp_path / "s" / "samples.jsonl").read_text()
     again = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))  # a restart continues the ids
     assert again.next_id == 1
+
+
+def test_traffic_file_is_readable_by_its_owner_only(tmp_path):
+    """Recorded traffic holds users' prompts: 0600 whatever the umask, and a wider file from before is narrowed."""
+    old = os.umask(0o022)
+    try:
+        rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "new")))
+        rec.observe([_req([1, 2], [3, 4])])
+        rec.sweep()
+        assert rec.recorded == 1 and stat.S_IMODE(rec.path.stat().st_mode) == 0o600
+        wide = tmp_path / "old" / "samples.jsonl"
+        wide.parent.mkdir()
+        wide.write_text(rec.path.read_text())
+        wide.chmod(0o644)
+        TrafficRecorder(TrafficConfig(dir=str(wide.parent)))
+        assert stat.S_IMODE(wide.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
 
 
 @pytest.mark.parametrize("bad, msg", [({"dir": "x", "sample_rate": 2}, "sample_rate=2 must be in [0, 1]"),
