@@ -4,6 +4,8 @@ Plain SGLang 0.5.23 passes a few values unchecked to its scheduler, whose except
 case below marked `crash` was seen to do so without dspark_sgl.sglang.guard). Against one plain (`--no-draft`) and
 one DSPARK server, each started once by the product command: every bad request gets a 4xx whose message names the
 problem, and afterwards the server still answers greedy requests token-identically to its answers before the fuzz.
+Both servers run with SGLang's --admin-api-key, so the trainer's draft push is checked there too: refused (401)
+without the key, installed with it (DSPARK).
 The guard is one plugin hook whatever the speculative algorithm; NGRAM's server is checked through that hook in
 tests/test_sglang_plugin.py instead of a third server start. The validation itself: tests/test_guard.py.
 """
@@ -66,6 +68,7 @@ BAD = [
     ("huge max_new_tokens", GEN, {"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 10**12}},
      "maximum context length"),
 ]
+ADMIN_KEY = "test-admin-key"  # both servers start with --admin-api-key: the trainer's push must carry it
 STREAMED_BAD = {"input_ids": [5, 1_000_000_000], "stream": True, "sampling_params": GREEDY}  # SGLang: 200 + error event
 
 
@@ -90,6 +93,14 @@ def send(server: ServeCommand, path: str, body: dict) -> tuple[int | None, str]:
         return None, repr(e)
 
 
+def survive(fn, *args, **kwargs):
+    """fn's answer, or the exception's repr when the server went away."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        return repr(e)
+
+
 def answers(server: ServeCommand, prompt_ids: list[list[int]]) -> dict:
     """Greedy answers through the native and the OpenAI endpoints."""
     return {"generate": [o["output_ids"] for o in server.generate(prompt_ids, MAX_NEW)],
@@ -107,22 +118,22 @@ def prompt_ids(smollm2_dir) -> list[list[int]]:
 @pytest.fixture(scope="module", params=["plain", "dspark"])
 def fuzzed(request, smollm2_dir, prompt_ids, tmp_path_factory) -> dict:
     """One server of the kind: answers before, every bad request, answers after; stopped before the asserts."""
-    if request.param == "plain":
-        args = ["--no-draft"]
-    else:
-        draft = build_bigram_draft(smollm2_dir, prompt_ids, tmp_path_factory.mktemp("draft") / "bigram")
-        args = ["--draft", str(draft)]
-    with ServeCommand(smollm2_dir, serve_args=args) as s:
+    from training.publish import push
+
+    draft = build_bigram_draft(smollm2_dir, prompt_ids, tmp_path_factory.mktemp("draft") / "bigram")
+    args = ["--no-draft"] if request.param == "plain" else ["--draft", str(draft)]
+    with ServeCommand(smollm2_dir, serve_args=[*args, "--admin-api-key", ADMIN_KEY]) as s:
         before = answers(s, prompt_ids)
         bad = {what: send(s, path, body) for what, path, body, _ in BAD}
         streamed = send(s, GEN, STREAMED_BAD)
-        try:
-            after = answers(s, prompt_ids)
-        except Exception as e:  # the server went away
-            after = repr(e)
+        admin = {"without key": survive(push, s.url, draft, timeout=120)}
+        if request.param == "dspark":  # a draft folder is a draft update only where a draft is served
+            admin["with key"] = survive(push, s.url, draft, timeout=120, key=ADMIN_KEY)
+        after = survive(answers, s, prompt_ids)
         alive = s.proc.poll() is None
         log = s.log()
-    return {"before": before, "bad": bad, "streamed": streamed, "alive": alive, "after": after, "log": log}
+    return {"before": before, "bad": bad, "streamed": streamed, "admin": admin, "alive": alive, "after": after,
+            "log": log, "kind": request.param}
 
 
 def test_each_bad_request_gets_a_4xx_naming_the_problem(fuzzed):
@@ -132,6 +143,15 @@ def test_each_bad_request_gets_a_4xx_naming_the_problem(fuzzed):
     assert not wrong, (wrong, fuzzed["log"][-3000:])
     status, events = fuzzed["streamed"]  # a stream has begun (200) when SGLang validates: the error is an event
     assert status == 200 and '"code":400' in events and "input_ids[1] = 1000000000 is out of range" in events, events
+
+
+def test_draft_updates_need_the_admin_key_the_trainer_sends(fuzzed):
+    """SGLang's --admin-api-key guards /pause_generation and /update_weights_from_disk; training.publish.push sends
+    the key (the recipe's publish.admin_key_env). After both pushes the answers are still the same (next test)."""
+    without, with_key = fuzzed["admin"]["without key"], fuzzed["admin"].get("with key")
+    assert isinstance(without, dict) and without["status"] == 401 and not without["success"], without
+    if fuzzed["kind"] == "dspark":
+        assert isinstance(with_key, dict) and with_key["success"], with_key
 
 
 def test_the_server_keeps_serving_the_same_answers(fuzzed):
