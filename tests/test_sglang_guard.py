@@ -69,16 +69,20 @@ BAD = [
      "maximum context length"),
 ]
 ADMIN_KEY = "test-admin-key"  # both servers start with --admin-api-key: the trainer's push must carry it
+# The tensor and distributed draft-update calls, sent with a body SGLang cannot parse: without the key the auth gate
+# answers 401; with it the call gets past the gate to SGLang's request parsing (400 `Field required`), so
+# nothing is ever updated.
+UPDATE_CALLS = ["/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed"]
 STREAMED_BAD = {"input_ids": [5, 1_000_000_000], "stream": True, "sampling_params": GREEDY}  # SGLang: 200 + error event
 
 
-def send(server: ServeCommand, path: str, body: dict) -> tuple[int | None, str]:
+def send(server: ServeCommand, path: str, body: dict, key: str | None = None) -> tuple[int | None, str]:
     """(HTTP status, the error message or body); (None, the exception) when the server did not answer."""
     try:
         if path.startswith("/v1/"):
             body = {"model": server.get("/v1/models")["data"][0]["id"], **body}
-        req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
@@ -126,7 +130,8 @@ def fuzzed(request, smollm2_dir, prompt_ids, tmp_path_factory) -> dict:
         before = answers(s, prompt_ids)
         bad = {what: send(s, path, body) for what, path, body, _ in BAD}
         streamed = send(s, GEN, STREAMED_BAD)
-        admin = {"without key": survive(push, s.url, draft, timeout=120)}
+        admin = {"without key": survive(push, s.url, draft, timeout=120),
+                 "calls": {path: (send(s, path, {}), send(s, path, {}, key=ADMIN_KEY)) for path in UPDATE_CALLS}}
         if request.param == "dspark":  # a draft folder is a draft update only where a draft is served
             admin["with key"] = survive(push, s.url, draft, timeout=120, key=ADMIN_KEY)
         after = survive(answers, s, prompt_ids)
@@ -146,8 +151,12 @@ def test_each_bad_request_gets_a_4xx_naming_the_problem(fuzzed):
 
 
 def test_draft_updates_need_the_admin_key_the_trainer_sends(fuzzed):
-    """SGLang's --admin-api-key guards /pause_generation and /update_weights_from_disk; training.publish.push sends
-    the key (the recipe's publish.admin_key_env). After both pushes the answers are still the same (next test)."""
+    """SGLang's --admin-api-key guards every draft-update call (disk, tensor, distributed) and /pause_generation;
+    training.publish.push sends the key (the recipe's publish.admin_key_env). After both pushes the answers are still
+    the same (next test)."""
+    gate = {path: (without[0], with_key[0], "Field required" in with_key[1])
+            for path, (without, with_key) in fuzzed["admin"]["calls"].items()}
+    assert gate == {path: (401, 400, True) for path in UPDATE_CALLS}, fuzzed["admin"]["calls"]
     without, with_key = fuzzed["admin"]["without key"], fuzzed["admin"].get("with key")
     assert isinstance(without, dict) and without["status"] == 401 and not without["success"], without
     if fuzzed["kind"] == "dspark":
