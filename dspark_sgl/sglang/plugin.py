@@ -4,10 +4,12 @@ SGLang 0.5.23 ships a builtin DSPARK whose name is reserved, so we take it over 
 REPLACE the worker class that `SpeculativeAlgorithm.create_worker` imports at call time
 (`...dspark_components.dspark_worker_v2.DSparkWorkerV2`) and the argument handler that `handle_server_args`
 imports at call time (`...arg_groups.speculative_hook._handle_dspark`, which refuses CPU). On an SGLang without a
-builtin DSPARK the name is registered directly.
+builtin DSPARK the name is registered directly. Whatever the algorithm (plain, NGRAM, DSPARK), every server that loads
+the plugin also gets the request guard (guard.py): a request SGLang would pass unchecked to its scheduler, where it
+would end the server, is refused with a 400.
 
 Switch back to the builtin: leave `dspark` out of SGLANG_PLUGINS (SGLang's own plugin whitelist, e.g.
-`SGLANG_PLUGINS=none`); SGLang then never loads this plugin in any process.
+`SGLANG_PLUGINS=none`); SGLang then never loads this plugin in any process (nor its guard).
 """
 
 from __future__ import annotations
