@@ -31,6 +31,9 @@ def req(**fields) -> SimpleNamespace:
         ([1], dict(sampling_params={"stop_token_ids": [5, V], "min_new_tokens": 2}), r"stop_token_ids\[1\] = 100"),
         ([1], dict(sampling_params={"stop_token_ids": [-5]}), r"stop_token_ids\[0\] = -5 is out of range"),
         ([1], dict(sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list of token ids, got int"),
+        ([1], dict(sampling_params={"n": 129}), r"n = 129 must be an integer in \[1, 128\]"),
+        ([1], dict(sampling_params={"n": 0}), r"n = 0 must be"),
+        ([1], dict(sampling_params={"n": 2.5}), r"n = 2.5 must be"),
         ([1], dict(sampling_params={"stop_regex": "("}), r"stop_regex '\(' is not a regular expression: missing \)"),
         ([1], dict(sampling_params={"stop_regex": ["a+", "[z"]}), r"stop_regex '\[z' is not a regular expression"),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-7), r"logprob_start_len = -7 must be -1 .* \[0, 2\]"),
@@ -54,6 +57,8 @@ def test_each_problem_is_named(ids, fields, message):
         ([1], dict(sampling_params={"stop_token_ids": [0, V - 1], "min_new_tokens": 2})),
         ([1], dict(sampling_params={"stop_token_ids": None, "stop_regex": None})),
         ([1], dict(sampling_params={"stop_regex": ["\\d+\\.", "end$"]})),
+        ([1], dict(sampling_params={"n": 1})),
+        ([1], dict(sampling_params={"n": 128})),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-1, top_logprobs_num=V)),
         ([1, 2], dict(return_logprob=True, logprob_start_len=2, top_logprobs_num=0)),
         ([1, 2], dict(logprob_start_len=-7, top_logprobs_num=-3)),  # ignored without return_logprob (as SGLang does)

@@ -52,6 +52,8 @@ BAD = [
      "stop_token_ids[0] = -5 is out of range"),
     ("a prompt id out of range in a batch with n = 3", GEN,
      {"input_ids": [[1, 2], [3, 49152]], "sampling_params": {**GREEDY, "n": 3}}, "input_ids[1] = 49152"),
+    ("n beyond 128 (8192 samples held a CPU server past its health check)", CMP,
+     {"prompt": [1, 2], "max_tokens": 2, "n": 8192}, "n = 8192 must be an integer in [1, 128]"),
     ("an empty text prompt", GEN, {"text": "", "sampling_params": GREEDY}, "input_ids is empty"),
     ("500 before: stop_regex not a regular expression", GEN,
      {"input_ids": [1, 2], "sampling_params": {**GREEDY, "stop_regex": "("}}, "stop_regex '(' is not a regular"),

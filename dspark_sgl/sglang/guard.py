@@ -9,7 +9,8 @@ there, and an exception in the scheduler ends the whole server (seen on CPU, pla
 - `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
 - a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer.
 
-One more is refused here because SGLang answers it with a bare 500: a `stop_regex` that is not a regular expression.
+Also refused: a `stop_regex` that is not a regular expression (SGLang answers it with a bare 500), and `n` outside
+[1, 128] (OpenAI's bound; SGLang has none, and one request with n = 8192 held a CPU server busy past its health check).
 
 `refuse_bad_request` is a BEFORE hook on `TokenizerManager._validate_one_request`: every generate and encode path
 (native /generate single and batch, the OpenAI completions and chat endpoints, `n > 1`, batch tokenisation,
@@ -21,6 +22,8 @@ serving). Registered by the `dspark` plugin, so every server `dspark serve` star
 from __future__ import annotations
 
 import re
+
+MAX_N = 128  # parallel samples per prompt: OpenAI's bound for `n`
 
 
 def _token_id_problem(name: str, ids, vocab_size: int) -> str | None:
@@ -42,7 +45,10 @@ def _prompt_problem(obj, input_ids, vocab_size: int) -> str | None:
     return _token_id_problem("input_ids", input_ids, vocab_size)
 
 
-def _stop_problem(params: dict, vocab_size: int) -> str | None:
+def _sampling_problem(params: dict, vocab_size: int) -> str | None:
+    n = params.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        return f"n = {n!r} must be an integer in [1, {MAX_N}] (parallel samples per prompt)"
     stop = params.get("stop_token_ids")
     if stop is not None:
         if not isinstance(stop, list | tuple | set):
@@ -80,7 +86,7 @@ def request_problem(obj, input_ids, vocab_size: int) -> str | None:
     """
     params = getattr(obj, "sampling_params", None)
     return (_prompt_problem(obj, input_ids, vocab_size)
-            or (_stop_problem(params, vocab_size) if isinstance(params, dict) else None)
+            or (_sampling_problem(params, vocab_size) if isinstance(params, dict) else None)
             or _logprob_problem(obj, len(input_ids) if input_ids is not None else 0, vocab_size))
 
 
