@@ -34,6 +34,7 @@ def req(**fields) -> SimpleNamespace:
         ([1], dict(sampling_params={"n": 129}), r"n = 129 must be an integer in \[1, 128\]"),
         ([1], dict(sampling_params={"n": 0}), r"n = 0 must be"),
         ([1], dict(sampling_params={"n": 2.5}), r"n = 2.5 must be"),
+        ([1], dict(sampling_params={"top_k": 2**31}), r"top_k = 2147483648 is too large \(at most 2147483647\)"),
         ([1], dict(sampling_params={"stop_regex": "("}), r"stop_regex '\(' is not a regular expression: missing \)"),
         ([1], dict(sampling_params={"stop_regex": ["a+", "[z"]}), r"stop_regex '\[z' is not a regular expression"),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-7), r"logprob_start_len = -7 must be -1 .* \[0, 2\]"),
@@ -59,6 +60,8 @@ def test_each_problem_is_named(ids, fields, message):
         ([1], dict(sampling_params={"stop_regex": ["\\d+\\.", "end$"]})),
         ([1], dict(sampling_params={"n": 1})),
         ([1], dict(sampling_params={"n": 128})),
+        ([1], dict(sampling_params={"top_k": 2**31 - 1})),
+        ([1], dict(sampling_params={"top_k": -1})),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-1, top_logprobs_num=V)),
         ([1, 2], dict(return_logprob=True, logprob_start_len=2, top_logprobs_num=0)),
         ([1, 2], dict(logprob_start_len=-7, top_logprobs_num=-3)),  # ignored without return_logprob (as SGLang does)

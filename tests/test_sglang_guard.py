@@ -48,6 +48,8 @@ BAD = [
     ("crash: stop token out of range with min_new_tokens", GEN,
      {"input_ids": [1, 2], "sampling_params": {**GREEDY, "stop_token_ids": [10**9], "min_new_tokens": 2}},
      "stop_token_ids[0] = 1000000000 is out of range"),
+    ("crash: top_k overflowing int32 (found by a seeded fuzz)", GEN,
+     {"input_ids": [1, 2], "sampling_params": {**GREEDY, "top_k": 2**31}}, "top_k = 2147483648 is too large"),
     ("negative stop token", GEN, {"input_ids": [1, 2], "sampling_params": {**GREEDY, "stop_token_ids": [-5]}},
      "stop_token_ids[0] = -5 is out of range"),
     ("a prompt id out of range in a batch with n = 3", GEN,

@@ -7,7 +7,8 @@ there, and an exception in the scheduler ends the whole server (seen on CPU, pla
 - an empty prompt inside a batch (`"input_ids": [[]]`; SGLang refuses only a single empty one): a reshape error;
 - `logprob_start_len` below -1 with `return_logprob`: an assertion in the logprob bookkeeping;
 - `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
-- a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer.
+- a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer;
+- `top_k` at or above 2**31: the batch's int32 top-k tensor overflows (found by a seeded fuzz).
 
 Also refused: a `stop_regex` that is not a regular expression (SGLang answers it with a bare 500), and `n` outside
 [1, 128] (OpenAI's bound; SGLang has none, and one request with n = 8192 held a CPU server busy past its health check).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import re
 
 MAX_N = 128  # parallel samples per prompt: OpenAI's bound for `n`
+MAX_TOP_K = 2**31 - 1  # SGLang batches top_k as int32
 
 
 def _token_id_problem(name: str, ids, vocab_size: int) -> str | None:
@@ -49,6 +51,9 @@ def _sampling_problem(params: dict, vocab_size: int) -> str | None:
     n = params.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         return f"n = {n!r} must be an integer in [1, {MAX_N}] (parallel samples per prompt)"
+    top_k = params.get("top_k")
+    if isinstance(top_k, int) and top_k > MAX_TOP_K:
+        return f"top_k = {top_k} is too large (at most {MAX_TOP_K}); -1 samples from the whole vocabulary"
     stop = params.get("stop_token_ids")
     if stop is not None:
         if not isinstance(stop, list | tuple | set):
