@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspark_sgl.sglang.guard import refuse_bad_request, request_problem
+from dspark_sgl.sglang.guard import batch_problem, refuse_bad_batch, refuse_bad_request, request_problem
 
 V = 100
 
@@ -31,9 +31,6 @@ def req(**fields) -> SimpleNamespace:
         ([1], dict(sampling_params={"stop_token_ids": [5, V], "min_new_tokens": 2}), r"stop_token_ids\[1\] = 100"),
         ([1], dict(sampling_params={"stop_token_ids": [-5]}), r"stop_token_ids\[0\] = -5 is out of range"),
         ([1], dict(sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list of token ids, got int"),
-        ([1], dict(sampling_params={"n": 129}), r"n = 129 must be an integer in \[1, 128\]"),
-        ([1], dict(sampling_params={"n": 0}), r"n = 0 must be"),
-        ([1], dict(sampling_params={"n": 2.5}), r"n = 2.5 must be"),
         ([1], dict(sampling_params={"top_k": 2**31}), r"top_k = 2147483648 is too large \(at most 2147483647\)"),
         ([1], dict(sampling_params={"stop_regex": "("}), r"stop_regex '\(' is not a regular expression: missing \)"),
         ([1], dict(sampling_params={"stop_regex": ["a+", "[z"]}), r"stop_regex '\[z' is not a regular expression"),
@@ -58,8 +55,6 @@ def test_each_problem_is_named(ids, fields, message):
         ([1], dict(sampling_params={"stop_token_ids": [0, V - 1], "min_new_tokens": 2})),
         ([1], dict(sampling_params={"stop_token_ids": None, "stop_regex": None})),
         ([1], dict(sampling_params={"stop_regex": ["\\d+\\.", "end$"]})),
-        ([1], dict(sampling_params={"n": 1})),
-        ([1], dict(sampling_params={"n": 128})),
         ([1], dict(sampling_params={"top_k": 2**31 - 1})),
         ([1], dict(sampling_params={"top_k": -1})),
         ([1, 2], dict(return_logprob=True, logprob_start_len=-1, top_logprobs_num=V)),
@@ -80,3 +75,34 @@ def test_an_embedding_request_without_generation_fields_is_checked_too():
                           contains_mm_input=lambda: False)  # EmbeddingReqInput has no logprob fields
     assert request_problem(obj, [1, 2], V) is None
     assert "input_ids[0] = 100" in request_problem(obj, [V], V)
+
+
+def batch(params, batch_size=1, is_single=True) -> SimpleNamespace:
+    """A GenerateReqInput as SGLang hands it to _handle_parallel_sampling (batch size known, not yet expanded)."""
+    return SimpleNamespace(sampling_params=params, batch_size=batch_size, is_single=is_single)
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (batch({"n": 129}), r"n = 129 must be an integer in \[1, 128\]"),
+        (batch({"n": 10**9}), r"n = 1000000000 must be"),
+        (batch({"n": 0}), r"n = 0 must be"),
+        (batch({"n": -2}, 2, False), r"n = -2 must be"),
+        (batch({"n": 2.5}), r"n = 2.5 must be"),
+        (batch([{"n": 2}, {"n": 200}], 2, False), r"n = 200 must be"),
+        (batch([{}], 2, False), r"sampling_params has 1 entries for 2 prompts"),
+    ],
+)
+def test_each_batch_problem_is_named(obj, message):
+    with pytest.raises(ValueError, match=message):
+        refuse_bad_batch(obj)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [batch(None), batch({}), batch({"n": 1}), batch({"n": 128}), batch([{"n": 3}, {"n": 3}], 2, False),
+     batch({"n": 4}, 3, False)],
+)
+def test_good_batches_pass(obj):
+    assert batch_problem(obj) is None

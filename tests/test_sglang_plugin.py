@@ -149,6 +149,10 @@ for algo in ("NGRAM", "EAGLE", "DSPARK", None):
         print(algo, "passed")
     except ValueError as e:
         print(algo, "refused:", e)
+try:  # the whole request, before SGLang expands it into one request per sample
+    GenerateReqInput(input_ids=[5], sampling_params={"n": 10**9}).normalize_batch_and_arguments()
+except ValueError as e:
+    print("expansion refused:", e)
 """
 
 
@@ -163,3 +167,4 @@ def test_the_request_guard_covers_every_speculative_algorithm():
     for algo in ("NGRAM", "EAGLE", "DSPARK", "None"):
         assert f"{algo} refused: input_ids[1] = 100 is out of range: token ids must be in [0, 100)" in res.stdout, \
             res.stdout
+    assert "expansion refused: n = 1000000000 must be an integer in [1, 128]" in res.stdout, res.stdout

@@ -10,14 +10,17 @@ there, and an exception in the scheduler ends the whole server (seen on CPU, pla
 - a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer;
 - `top_k` at or above 2**31: the batch's int32 top-k tensor overflows (found by a seeded fuzz).
 
-Also refused: a `stop_regex` that is not a regular expression (SGLang answers it with a bare 500), and `n` outside
-[1, 128] (OpenAI's bound; SGLang has none, and one request with n = 8192 held a CPU server busy past its health check).
+Also refused: a `stop_regex` that is not a regular expression or a sampling_params list shorter than the batch
+(SGLang answers both with a bare 500), and `n` outside [1, 128] (OpenAI's bound; SGLang has none: n = 8192 held a CPU
+server busy past its health check, n = 10**9 got no answer in a minute and the server missed its health check).
 
 `refuse_bad_request` is a BEFORE hook on `TokenizerManager._validate_one_request`: every generate and encode path
 (native /generate single and batch, the OpenAI completions and chat endpoints, `n > 1`, batch tokenisation,
 sglang.Engine) calls it once per request with the final prompt ids, just before the request is packed for the
 scheduler, and a ValueError there is SGLang's own 400 path (its request state is released, the server keeps
-serving). Registered by the `dspark` plugin, so every server `dspark serve` starts (plain, NGRAM, DSPARK) has it.
+serving). What must be refused before SGLang expands a request into one per prompt and sample (`n`, the length of a
+sampling_params list) is checked by `refuse_bad_batch`, a BEFORE hook on the expansion step. Both are registered by
+the `dspark` plugin, so every server `dspark serve` starts (plain, NGRAM, DSPARK) has them.
 """
 
 from __future__ import annotations
@@ -48,9 +51,6 @@ def _prompt_problem(obj, input_ids, vocab_size: int) -> str | None:
 
 
 def _sampling_problem(params: dict, vocab_size: int) -> str | None:
-    n = params.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        return f"n = {n!r} must be an integer in [1, {MAX_N}] (parallel samples per prompt)"
     top_k = params.get("top_k")
     if isinstance(top_k, int) and top_k > MAX_TOP_K:
         return f"top_k = {top_k} is too large (at most {MAX_TOP_K}); -1 samples from the whole vocabulary"
@@ -93,6 +93,30 @@ def request_problem(obj, input_ids, vocab_size: int) -> str | None:
     return (_prompt_problem(obj, input_ids, vocab_size)
             or (_sampling_problem(params, vocab_size) if isinstance(params, dict) else None)
             or _logprob_problem(obj, len(input_ids) if input_ids is not None else 0, vocab_size))
+
+
+def batch_problem(obj) -> str | None:
+    """What is wrong with a whole GenerateReqInput before SGLang expands it into one request per prompt and sample
+    (`n`), or None. Checked then because the expansion itself fails: n = 10**9 builds 10**9 request ids in the HTTP
+    process (no answer, ever), and a sampling_params list shorter than the batch raises IndexError (a bare 500)."""
+    params = obj.sampling_params
+    if isinstance(params, list) and not obj.is_single and len(params) != obj.batch_size:
+        return (f"sampling_params has {len(params)} entries for {obj.batch_size} prompts: "
+                "give one for all, or one per prompt")
+    for p in params if isinstance(params, list) else [params]:
+        n = p.get("n", 1) if isinstance(p, dict) else 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            return f"n = {n!r} must be an integer in [1, {MAX_N}] (parallel samples per prompt)"
+    return None
+
+
+def refuse_bad_batch(obj, *args, **kwargs):
+    """BEFORE hook on GenerateReqInput._handle_parallel_sampling (in normalize_batch_and_arguments, the first thing
+    TokenizerManager.generate_request does): SGLang's ValueError (HTTP 400) naming the problem."""
+    problem = batch_problem(obj)
+    if problem is not None:
+        raise ValueError(problem)
+    return None
 
 
 def refuse_bad_request(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
