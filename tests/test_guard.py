@@ -15,7 +15,7 @@ V = 100
 def req(**fields) -> SimpleNamespace:
     """One split GenerateReqInput as SGLang hands it to _validate_one_request (its defaults after normalize)."""
     base = dict(input_embeds=None, session_params=None, sampling_params={"max_new_tokens": 4}, return_logprob=False,
-                logprob_start_len=-1, top_logprobs_num=0, contains_mm_input=lambda: False)
+                logprob_start_len=-1, top_logprobs_num=0, return_hidden_states=False, contains_mm_input=lambda: False)
     return SimpleNamespace(**(base | fields))
 
 
@@ -38,6 +38,9 @@ def req(**fields) -> SimpleNamespace:
         ([1, 2], dict(return_logprob=True, logprob_start_len=3), r"logprob_start_len = 3 must be"),
         ([1], dict(return_logprob=True, top_logprobs_num=V + 1), r"top_logprobs_num = 101 must be in \[0, 100\]"),
         ([1], dict(return_logprob=True, top_logprobs_num=-3), r"top_logprobs_num = -3 must be in \[0, 100\]"),
+        ([1], dict(return_hidden_states=[]), r"return_hidden_states = \[\] must be true, false or \"last\""),
+        ([1], dict(return_hidden_states="first"), r"return_hidden_states = 'first' must be"),
+        ([1], dict(return_hidden_states=1), r"return_hidden_states = 1 must be"),
     ],
 )
 def test_each_problem_is_named(ids, fields, message):
@@ -60,6 +63,8 @@ def test_each_problem_is_named(ids, fields, message):
         ([1, 2], dict(return_logprob=True, logprob_start_len=-1, top_logprobs_num=V)),
         ([1, 2], dict(return_logprob=True, logprob_start_len=2, top_logprobs_num=0)),
         ([1, 2], dict(logprob_start_len=-7, top_logprobs_num=-3)),  # ignored without return_logprob (as SGLang does)
+        ([1], dict(return_hidden_states=True)),
+        ([1], dict(return_hidden_states="last")),
         ([], dict(session_params={"id": "s1"})),  # a session's history may be the whole prompt
         ([], dict(input_embeds=[[0.0, 1.0]])),  # prompt given as embeddings
         ([10**9], dict(contains_mm_input=lambda: True)),  # multimodal pad ids lie beyond the vocabulary on purpose

@@ -8,7 +8,9 @@ there, and an exception in the scheduler ends the whole server (seen on CPU, pla
 - `logprob_start_len` below -1 with `return_logprob`: an assertion in the logprob bookkeeping;
 - `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
 - a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer;
-- `top_k` at or above 2**31: the batch's int32 top-k tensor overflows (found by a seeded fuzz).
+- `top_k` at or above 2**31: the batch's int32 top-k tensor overflows (found by a seeded fuzz);
+- `return_hidden_states` that is neither a boolean nor "last" (e.g. `[]`): a ValueError in the scheduler's request
+  constructor (found by a seeded fuzz).
 
 Also refused: a `stop_regex` that is not a regular expression or a sampling_params list shorter than the batch
 (SGLang answers both with a bare 500), and `n` outside [1, 128] (OpenAI's bound; SGLang has none: n = 8192 held a CPU
@@ -83,6 +85,13 @@ def _logprob_problem(obj, prompt_len: int, vocab_size: int) -> str | None:
     return None
 
 
+def _hidden_states_problem(obj) -> str | None:
+    mode = getattr(obj, "return_hidden_states", False)
+    if mode is True or mode is False or (isinstance(mode, str) and mode == "last"):
+        return None
+    return f"return_hidden_states = {mode!r} must be true, false or \"last\" (one value per prompt)"
+
+
 def request_problem(obj, input_ids, vocab_size: int) -> str | None:
     """What is wrong with one (already split) SGLang request whose prompt is `input_ids`, or None.
 
@@ -92,7 +101,8 @@ def request_problem(obj, input_ids, vocab_size: int) -> str | None:
     params = getattr(obj, "sampling_params", None)
     return (_prompt_problem(obj, input_ids, vocab_size)
             or (_sampling_problem(params, vocab_size) if isinstance(params, dict) else None)
-            or _logprob_problem(obj, len(input_ids) if input_ids is not None else 0, vocab_size))
+            or _logprob_problem(obj, len(input_ids) if input_ids is not None else 0, vocab_size)
+            or _hidden_states_problem(obj))
 
 
 def batch_problem(obj) -> str | None:
