@@ -65,7 +65,7 @@ BAD = [
      {"input_ids": [[1], [2, 3]], "sampling_params": {**GREEDY, "n": -2}}, "n = -2 must be"),
     ("fewer sampling_params than prompts (a 500 before)", GEN,
      {"input_ids": [[1, 2], [3, 4]], "sampling_params": [GREEDY]}, "sampling_params has 1 entries for 2 prompts"),
-    ("an empty text prompt", GEN, {"text": "", "sampling_params": GREEDY}, "input_ids is empty"),
+    ("crash: an empty text prompt", GEN, {"text": "", "sampling_params": GREEDY}, "input_ids is empty"),
     ("500 before: stop_regex not a regular expression", GEN,
      {"input_ids": [1, 2], "sampling_params": {**GREEDY, "stop_regex": "("}}, "stop_regex '(' is not a regular"),
     ("OpenAI completion with token ids out of range", CMP, {"prompt": [1_000_000_000, -1], "max_tokens": 4},

@@ -1,10 +1,11 @@
 """One request never takes the server down: refuse what SGLang 0.5.23 passes unchecked to its scheduler.
 
 SGLang validates most of a request in the HTTP process, but a few values reach the scheduler unchecked and raise
-there, and an exception in the scheduler ends the whole server (seen on CPU, plain and DSPARK alike):
+there, and an exception in the scheduler ends the whole server (seen on CPU; docs/serving.md says on which servers):
 
 - a prompt token id outside [0, vocab): IndexError in the target's embedding;
-- an empty prompt inside a batch (`"input_ids": [[]]`; SGLang refuses only a single empty one): a reshape error;
+- an empty prompt (`"text": ""`, or `[[]]` inside a batch; SGLang refuses only a single empty `input_ids`): a
+  reshape error;
 - `logprob_start_len` below -1 with `return_logprob`: an assertion in the logprob bookkeeping;
 - `top_logprobs_num` above the vocabulary size with `return_logprob`: `topk` out of range;
 - a `stop_token_ids` entry outside [0, vocab) with `min_new_tokens`: an index error in the min-tokens penalizer;
