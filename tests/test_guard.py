@@ -38,6 +38,8 @@ def req(**fields) -> SimpleNamespace:
         ([1, 2], dict(return_logprob=True, logprob_start_len=3), r"logprob_start_len = 3 must be"),
         ([1], dict(return_logprob=True, top_logprobs_num=V + 1), r"top_logprobs_num = 101 must be in \[0, 100\]"),
         ([1], dict(return_logprob=True, top_logprobs_num=-3), r"top_logprobs_num = -3 must be in \[0, 100\]"),
+        ([1], dict(return_logprob=True, logprob_start_len="x"), r"logprob_start_len = 'x' must be"),
+        ([1], dict(return_logprob=True, top_logprobs_num=[]), r"top_logprobs_num = \[\] must be"),
         ([1], dict(return_hidden_states=[]), r"return_hidden_states = \[\] must be true, false or \"last\""),
         ([1], dict(return_hidden_states="first"), r"return_hidden_states = 'first' must be"),
         ([1], dict(return_hidden_states=1), r"return_hidden_states = 1 must be"),

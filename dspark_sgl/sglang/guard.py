@@ -77,12 +77,12 @@ def _logprob_problem(obj, prompt_len: int, vocab_size: int) -> str | None:
     if not getattr(obj, "return_logprob", False):
         return None  # SGLang ignores both fields then
     start = getattr(obj, "logprob_start_len", -1)
-    if start is not None and not (start == -1 or 0 <= start <= prompt_len):
-        return (f"logprob_start_len = {start} must be -1 (no prompt logprobs) or in [0, {prompt_len}] "
+    if start is not None and not (isinstance(start, int) and (start == -1 or 0 <= start <= prompt_len)):
+        return (f"logprob_start_len = {start!r} must be -1 (no prompt logprobs) or in [0, {prompt_len}] "
                 "(the prompt length)")
     top = getattr(obj, "top_logprobs_num", 0)
-    if top is not None and not 0 <= top <= vocab_size:
-        return f"top_logprobs_num = {top} must be in [0, {vocab_size}] (the vocabulary size)"
+    if top is not None and not (isinstance(top, int) and 0 <= top <= vocab_size):
+        return f"top_logprobs_num = {top!r} must be in [0, {vocab_size}] (the vocabulary size)"
     return None
 
 
@@ -108,8 +108,8 @@ def request_problem(obj, input_ids, vocab_size: int) -> str | None:
 
 def batch_problem(obj) -> str | None:
     """What is wrong with a whole GenerateReqInput before SGLang expands it into one request per prompt and sample
-    (`n`), or None. Checked then because the expansion itself fails: n = 10**9 builds 10**9 request ids in the HTTP
-    process (no answer, ever), and a sampling_params list shorter than the batch raises IndexError (a bare 500)."""
+    (`n`), or None. Checked then because the expansion itself fails: n = 10**9 got no answer within a minute (SGLang
+    builds one request id per sample), and a sampling_params list shorter than the batch raises IndexError (a 500)."""
     params = obj.sampling_params
     if isinstance(params, list) and not obj.is_single and len(params) != obj.batch_size:
         return (f"sampling_params has {len(params)} entries for {obj.batch_size} prompts: "
