@@ -355,7 +355,7 @@ def serve(
 ) -> None:
     """Start real SGLang with the DSpark plugin: an OpenAI-compatible server. Extra arguments go to SGLang."""
     from dspark_sgl.loading import resolve_target_dir
-    from dspark_sgl.sglang.serve import ServeConfig, ServeError, exec_server, prepare
+    from dspark_sgl.sglang.serve import ServeConfig, ServeError, exec_server, exposure_warning, prepare
 
     if (draft is None) != no_draft:
         _fail("give exactly one of --draft DIR or --no-draft")
@@ -370,6 +370,9 @@ def serve(
     mode = f"DSPARK draft {draft}" if draft else "no draft"
     used = cmd[cmd.index("--dtype") + 1]  # `auto` resolved by capability
     console.print(f"serving {cfg.target} ({mode}, {device}, {used}): OpenAI-compatible API at http://{host}:{port}/v1")
+    warning = exposure_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
     exec_server(cmd, env)
 
 

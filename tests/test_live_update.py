@@ -4,6 +4,8 @@ and the trainer's publisher against a stand-in HTTP server. The real-SGLang run 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
@@ -216,6 +218,24 @@ def test_traffic_records_trainer_samples_with_rate_budget_and_no_pii_by_default(
     assert again.next_id == 1
 
 
+def test_traffic_file_is_readable_by_its_owner_only(tmp_path):
+    """Recorded traffic holds users' prompts: 0600 whatever the umask, and a wider file from before is narrowed."""
+    old = os.umask(0o022)
+    try:
+        rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "new")))
+        rec.observe([_req([1, 2], [3, 4])])
+        rec.sweep()
+        assert rec.recorded == 1 and stat.S_IMODE(rec.path.stat().st_mode) == 0o600
+        wide = tmp_path / "old" / "samples.jsonl"
+        wide.parent.mkdir()
+        wide.write_text(rec.path.read_text())
+        wide.chmod(0o644)
+        TrafficRecorder(TrafficConfig(dir=str(wide.parent)))
+        assert stat.S_IMODE(wide.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.parametrize("bad, msg", [({"dir": "x", "sample_rate": 2}, "sample_rate=2 must be in [0, 1]"),
                                       ({"dir": "x", "max_bytes": 0}, "max_bytes=0 must be > 0"),
                                       ({"sample_rate": 1}, "at least 'dir'"),
@@ -239,10 +259,16 @@ def test_publish_recipe_keys():
 class _Fake(BaseHTTPRequestHandler):
     calls: list = []
     refuse = False
+    admin_key = None  # like SGLang's --admin-api-key: these endpoints answer 401 without it
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         self.calls.append((self.path, body))
+        if self.admin_key and self.headers.get("Authorization") != f"Bearer {self.admin_key}":
+            self.send_response(401)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": "Unauthorized"}).encode())
+            return
         ok = not (self.refuse and self.path == "/update_weights_from_disk")
         self.send_response(200 if ok else 400)
         self.end_headers()
@@ -277,3 +303,41 @@ def test_publisher_pauses_updates_continues_and_journals(tmp_path):
         assert [x["success"] for x in lines] == [True, True, False]
     finally:
         server.shutdown()
+
+
+def test_publisher_sends_the_admin_key_from_the_environment_and_never_writes_it(tmp_path, monkeypatch):
+    server = HTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, secret = f"http://127.0.0.1:{server.server_port}", "s3cret-admin-key"
+    monkeypatch.setattr(_Fake, "admin_key", secret)
+    monkeypatch.setattr(_Fake, "calls", [])
+    monkeypatch.setattr(_Fake, "refuse", False)  # the test above leaves it set
+    logged = []
+    try:
+        plain = Publisher(PublishConfig(every_steps=1, url=[url]), tmp_path / "nokey", log=logged.append)
+        save_draft(make_draft(1), plain.folder(1))
+        res = plain.publish(plain.folder(1), 1)
+        assert not res[0]["success"] and res[0]["status"] == 401 and res[0]["message"] == "Unauthorized"
+
+        cfg = PublishConfig(every_steps=1, url=[url], admin_key_env="DSPARK_TEST_ADMIN_KEY")
+        monkeypatch.delenv("DSPARK_TEST_ADMIN_KEY", raising=False)
+        with pytest.raises(ValueError, match=r"\$DSPARK_TEST_ADMIN_KEY is not set"):
+            Publisher(cfg, tmp_path / "keyed")
+        monkeypatch.setenv("DSPARK_TEST_ADMIN_KEY", secret)
+        keyed = Publisher(cfg, tmp_path / "keyed", log=logged.append)
+        save_draft(make_draft(2), keyed.folder(2))
+        assert keyed.publish(keyed.folder(2), 2)[0]["success"]
+        assert [p for p, _ in _Fake.calls[-3:]] == ["/pause_generation", "/update_weights_from_disk",
+                                                    "/continue_generation"]
+    finally:
+        server.shutdown()
+    written = [p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
+    assert written and not any(secret in text for text in written + logged)
+
+
+def test_the_admin_key_is_named_not_written_in_the_recipe():
+    r = load_recipe(None, ["publish.every_steps=5", "publish.url=http://127.0.0.1:30000",
+                           "publish.admin_key_env=SGLANG_ADMIN_KEY"])
+    assert r.publish.admin_key_env == "SGLANG_ADMIN_KEY"
+    with pytest.raises(RecipeError, match="must name an environment variable"):
+        load_recipe(None, ["publish.admin_key_env=sk-live-1234"])

@@ -128,3 +128,39 @@ def test_bad_draft_dtype_settings_are_one_clear_error(folders, monkeypatch, kwar
     draft = None if kwargs.pop("no_draft", False) else draft
     with pytest.raises(serve.ServeError, match=message):
         serve.prepare(serve.ServeConfig(target, draft, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("host", "extra", "warned"),
+    [
+        ("0.0.0.0", [], True),
+        ("10.1.2.3", [], True),
+        ("::", [], True),
+        ("my-host.example", [], True),  # a name may resolve anywhere
+        ("0.0.0.0", ["--admin-api-key", "k"], False),
+        ("0.0.0.0", ["--admin-api-key=k"], False),
+        ("127.0.0.1", [], False),
+        ("127.0.0.2", [], False),
+        ("::1", [], False),
+        ("localhost", [], False),
+    ],
+)
+def test_a_server_beyond_loopback_without_the_admin_key_is_warned_about(folders, host, extra, warned):
+    warning = serve.exposure_warning(serve.ServeConfig(folders[0], None, host=host, extra=extra))
+    assert (warning is not None) == warned
+    if warned:
+        assert f"{host}:30000 without --admin-api-key" in warning and "replace the draft" in warning
+
+
+def test_cli_prints_the_exposure_warning_before_starting(folders, monkeypatch):
+    from dspark_sgl import cli
+
+    target, _ = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    started = []
+    monkeypatch.setattr(serve, "exec_server", lambda cmd, env: started.append(cmd))
+    res = runner.invoke(cli.app, ["serve", "--target", str(target), "--no-draft", "--host", "0.0.0.0"])
+    assert res.exit_code == 0 and started and "without --admin-api-key" in res.output
+    res = runner.invoke(cli.app, ["serve", "--target", str(target), "--no-draft", "--host", "0.0.0.0",
+                                  "--admin-api-key", "k"])
+    assert res.exit_code == 0 and "without --admin-api-key" not in res.output

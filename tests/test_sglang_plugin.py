@@ -129,3 +129,42 @@ def test_plugin_takes_over_the_builtin_dspark_name():
         assert target in res.stdout  # all three hooks applied
     assert "args hook: [True]" in res.stdout
     assert "replaces SGLang's builtin DSPARK worker" in res.stderr
+
+
+GUARD_PROBE = """
+import types
+import sglang.srt.plugins as plugins
+from dspark_sgl.sglang import plugin
+plugin.load()
+plugins.HookRegistry.apply_hooks()
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+for algo in ("NGRAM", "EAGLE", "DSPARK", None):
+    tm = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=100),
+                               server_args=types.SimpleNamespace(speculative_algorithm=algo))
+    obj = GenerateReqInput(input_ids=[5, 100], sampling_params={"max_new_tokens": 1})
+    obj.normalize_batch_and_arguments()
+    try:
+        TokenizerManager._validate_one_request(tm, obj, obj.input_ids)
+        print(algo, "passed")
+    except ValueError as e:
+        print(algo, "refused:", e)
+try:  # the whole request, before SGLang expands it into one request per sample
+    GenerateReqInput(input_ids=[5], sampling_params={"n": 129}).normalize_batch_and_arguments()
+except ValueError as e:
+    print("expansion refused:", e)
+"""
+
+
+@pytest.mark.sglang
+def test_the_request_guard_covers_every_speculative_algorithm():
+    """The guard is one hook on SGLang's per-request validation, whatever the server runs: an out-of-vocabulary
+    prompt is refused on an NGRAM (or EAGLE, or plain) server as on a DSPARK one, before it reaches the scheduler.
+    Over HTTP for plain and DSPARK: tests/test_sglang_guard.py."""
+    res = subprocess.run([str(sglang_python()), "-c", GUARD_PROBE], capture_output=True, text=True, env=cpu_env(),
+                         cwd="/tmp", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for algo in ("NGRAM", "EAGLE", "DSPARK", "None"):
+        assert f"{algo} refused: input_ids[1] = 100 is out of range: token ids must be in [0, 100)" in res.stdout, \
+            res.stdout
+    assert "expansion refused: n = 129 must be an integer in [1, 128]" in res.stdout, res.stdout

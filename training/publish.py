@@ -8,11 +8,17 @@ filesystem). With `pause` the server is paused in place around the swap (`/pause
 never waits for them to finish. The server validates the update and keeps its old draft if it refuses; the trainer
 logs the answer (`<out_dir>/publish.jsonl`) and keeps training. The served version shows in the server's
 `/server_info` (internal_states[0].dspark_info_record.draft_update).
+
+A server started with SGLang's `--admin-api-key` refuses these calls (401) without the key. `admin_key_env` names the
+environment variable that holds it (the key itself never sits in the recipe, and is never logged or journalled); the
+trainer sends it as SGLang's `Authorization: Bearer` header.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import time
 import urllib.error
@@ -33,6 +39,7 @@ class PublishConfig(BaseModel):
     pause: bool = True  # pause generation in place around each swap
     timeout_s: float = 300.0  # per HTTP call
     keep: int = 2  # published folders kept on disk (a server may still be reading the previous one)
+    admin_key_env: str | None = None  # the environment variable holding the servers' --admin-api-key (not the key)
 
     @field_validator("url", mode="before")
     @classmethod
@@ -50,15 +57,28 @@ class PublishConfig(BaseModel):
             raise ValueError(f"publish.url entries must be http://host:port, got {bad}")
         if self.keep < 1:
             raise ValueError(f"publish.keep={self.keep} must be >= 1")
+        if self.admin_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.admin_key_env):
+            raise ValueError("publish.admin_key_env must name an environment variable (e.g. SGLANG_ADMIN_KEY), "
+                             "not hold the key")
         return self
+
+    def admin_key(self) -> str | None:
+        """The key from the environment variable `admin_key_env` names; None when none is named."""
+        if self.admin_key_env is None:
+            return None
+        key = os.environ.get(self.admin_key_env)
+        if not key:
+            raise ValueError(f"publish.admin_key_env={self.admin_key_env} but ${self.admin_key_env} is not set")
+        return key
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
 
-def _call(url: str, path: str, payload: dict | None, timeout: float) -> tuple[int, dict]:
+def _call(url: str, path: str, payload: dict | None, timeout: float, key: str | None = None) -> tuple[int, dict]:
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, body = r.status, r.read()
@@ -76,19 +96,21 @@ def served_draft(url: str, timeout: float = 60.0) -> dict:
     return info["internal_states"][0]["dspark_info_record"]["draft_update"]
 
 
-def push(url: str, folder: str | Path, pause: bool = True, timeout: float = 300.0) -> dict:
-    """Load the draft folder into one server; returns what happened (never raises on a refusal)."""
+def push(url: str, folder: str | Path, pause: bool = True, timeout: float = 300.0, key: str | None = None) -> dict:
+    """Load the draft folder into one server; returns what happened (never raises on a refusal). `key`: the
+    server's --admin-api-key, if it has one."""
     t0 = time.perf_counter()
     if pause:
-        _call(url, "/pause_generation", {"mode": "in_place"}, timeout)
+        _call(url, "/pause_generation", {"mode": "in_place"}, timeout, key)
     try:
         status, out = _call(url, "/update_weights_from_disk",
-                            {"model_path": str(Path(folder).resolve()), "flush_cache": False}, timeout)
+                            {"model_path": str(Path(folder).resolve()), "flush_cache": False}, timeout, key)
     finally:
         if pause:
-            _call(url, "/continue_generation", {}, timeout)
-    return {"url": url, "success": status == 200 and bool(out.get("success")), "message": out.get("message"),
-            "wall_ms": (time.perf_counter() - t0) * 1e3}
+            _call(url, "/continue_generation", {}, timeout, key)
+    message = out.get("message") or out.get("error")  # SGLang: {"error": "Unauthorized"} on a missing key
+    return {"url": url, "success": status == 200 and bool(out.get("success")), "status": status,
+            "message": message, "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
 class Publisher:
@@ -97,6 +119,7 @@ class Publisher:
     def __init__(self, cfg: PublishConfig, out_dir: Path, log=print):
         self.cfg, self.root, self.log = cfg, Path(out_dir) / "publish", log
         self.journal = Path(out_dir) / "publish.jsonl"
+        self._key = cfg.admin_key()  # read once at start: a missing variable stops the run before training
 
     def folder(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -107,7 +130,7 @@ class Publisher:
         results = []
         for url in self.cfg.url:
             try:
-                res = push(url, folder, self.cfg.pause, self.cfg.timeout_s)
+                res = push(url, folder, self.cfg.pause, self.cfg.timeout_s, self._key)
             except (OSError, urllib.error.URLError) as e:
                 res = {"url": url, "success": False, "message": f"unreachable: {e}", "wall_ms": None}
             res.update(version=version, step=step, folder=str(folder), time=time.time())

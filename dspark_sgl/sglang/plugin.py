@@ -4,10 +4,12 @@ SGLang 0.5.23 ships a builtin DSPARK whose name is reserved, so we take it over 
 REPLACE the worker class that `SpeculativeAlgorithm.create_worker` imports at call time
 (`...dspark_components.dspark_worker_v2.DSparkWorkerV2`) and the argument handler that `handle_server_args`
 imports at call time (`...arg_groups.speculative_hook._handle_dspark`, which refuses CPU). On an SGLang without a
-builtin DSPARK the name is registered directly.
+builtin DSPARK the name is registered directly. Whatever the algorithm (plain, NGRAM, DSPARK), every server that loads
+the plugin also gets the request guard (guard.py): a request SGLang would pass unchecked to its scheduler, where it
+would end the server, is refused with a 400.
 
 Switch back to the builtin: leave `dspark` out of SGLANG_PLUGINS (SGLang's own plugin whitelist, e.g.
-`SGLANG_PLUGINS=none`); SGLang then never loads this plugin in any process.
+`SGLANG_PLUGINS=none`); SGLang then never loads this plugin in any process (nor its guard).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ PLUGIN_NAME = "dspark"  # the entry-point name SGLANG_PLUGINS matches
 WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2"
 ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
 VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+EXPAND_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput._handle_parallel_sampling"
 SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 # Live draft updates (weights.py): a DSpark draft folder sent to /update_weights_from_disk loads into the draft only,
 # and does not rename the served model.
@@ -58,6 +61,7 @@ def load() -> None:
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
+    from dspark_sgl.sglang.guard import refuse_bad_batch, refuse_bad_request
     from dspark_sgl.sglang.sampling import refuse_unsupported_request
     from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
@@ -66,6 +70,8 @@ def load() -> None:
     register_mla_draft_config()
     HookRegistry.register(DISK_UPDATE_TARGET, route_disk_update, HookType.AROUND)
     HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, refuse_bad_request, HookType.BEFORE)  # every server: guard.py
+    HookRegistry.register(EXPAND_TARGET, refuse_bad_batch, HookType.BEFORE)  # every server: guard.py
     HookRegistry.register(VALIDATE_TARGET, refuse_unsupported_request, HookType.BEFORE)  # DSPARK servers only
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)

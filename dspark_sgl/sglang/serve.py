@@ -8,6 +8,7 @@ probed first so that a missing install is one clear error naming the extra.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
@@ -83,6 +84,22 @@ def server_args(cfg: ServeConfig) -> list[str]:
         else:
             extra[at] = json.dumps(override)
     return args + extra
+
+
+def exposure_warning(cfg: ServeConfig) -> str | None:
+    """A warning when the server listens beyond this machine without SGLang's --admin-api-key, else None."""
+    if any(a == "--admin-api-key" or a.startswith("--admin-api-key=") for a in cfg.extra):
+        return None
+    try:
+        loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to stay on this machine
+        loopback = False
+    if loopback:
+        return None
+    return (f"warning: serving on {cfg.host}:{cfg.port} without --admin-api-key: anyone who can reach it can replace "
+            "the draft or the target's weights (/update_weights_from_disk, /update_weights_from_tensor, "
+            "/update_weights_from_distributed), pause generation, abort every request and flush the cache. "
+            "Add --admin-api-key KEY (the trainer sends it: publish.admin_key_env).")
 
 
 def prepare(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:

@@ -5,12 +5,14 @@ Start a DSPARK server with `--json-model-override-args '{"dspark_traffic": {"dir
 lines `{"id", "input_ids", "loss_mask"}` (prompt tokens unsupervised, generated tokens supervised) until the file
 reaches `max_bytes`. The trainer consumes the folder as is: `data.cache_dir=DIR` (its `samples.jsonl` is read and
 nothing is re-tokenised). `include_pii` (off by default) adds what identifies a request beyond its tokens: the request
-id and the finish time. Aborted requests and ones with fewer than `min_generated` new tokens are skipped.
+id and the finish time. Aborted requests and ones with fewer than `min_generated` new tokens are skipped. The file holds
+users' prompts, so it is readable by its owner only (mode 0600, also when it existed before).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -18,6 +20,11 @@ from pathlib import Path
 
 OVERRIDE_KEY = "dspark_traffic"
 SAMPLES_FILE = "samples.jsonl"
+FILE_MODE = 0o600  # users' prompts: the owner only
+
+
+def _owner_only(path, flags: int) -> int:
+    return os.open(path, flags, FILE_MODE)  # a new file is created 0600 (the umask only removes bits)
 
 
 @dataclass
@@ -53,7 +60,10 @@ class TrafficRecorder:
         self.cfg = cfg
         self.path = Path(cfg.dir) / SAMPLES_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.bytes = self.path.stat().st_size if self.path.exists() else 0
+        self.bytes = 0
+        if self.path.exists():
+            os.chmod(self.path, FILE_MODE)  # a file from before may be wider
+            self.bytes = self.path.stat().st_size
         self.next_id = self._last_id() + 1
         self.rng = random.Random(cfg.seed)
         self.live: dict[int, object] = {}  # id(req) -> req, until it finishes
@@ -109,7 +119,7 @@ class TrafficRecorder:
             self.live.clear()
             self.skipped += 1
             return
-        with self.path.open("a") as f:
+        with open(self.path, "a", opener=_owner_only) as f:
             f.write(line)
         self.bytes += len(line)
         self.next_id += 1
