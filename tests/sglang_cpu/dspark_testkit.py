@@ -200,11 +200,13 @@ def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
 
 
 def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Path, block_size: int = 7,
-                       scale: float = 30.0, seed: int = 0, **overrides) -> Path:
+                       scale: float = 30.0, seed: int = 0, final_norm: float = 1e-3, **overrides) -> Path:
     """A DSpark draft whose Markov head is the bigram table of `sequences` (e.g. the target's own greedy outputs).
 
     The backbone is random but its final norm is ~0, so base logits are tiny and each draft token is the bigram
-    successor of the previous one: a good predictor of a target that repeats itself, built without training. The
+    successor of the previous one: a good predictor of a target that repeats itself, built without training.
+    `final_norm=1.0` keeps the random backbone's base logits (SmolLM2: max ≈ 10-14 over the vocabulary): with a
+    `scale` of that size, each proposal is the bigram successor or the backbone's pick over the context. The
     confidence head says 0.95 when the previous token is in the table and 0.05 when it is not, so the confidence
     schedule has something true to act on. The whole draft path (context K/V, block forward, rollout, confidence)
     still runs.
@@ -231,7 +233,7 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
     torch.manual_seed(seed)
     draft = DSparkDraft(config)
     with torch.no_grad():
-        draft.norm.weight.fill_(1e-3)
+        draft.norm.weight.fill_(final_norm)
         head = draft.markov_head
         head.markov_w1.weight.zero_()
         head.markov_w2.weight.zero_()
