@@ -17,7 +17,8 @@ entry point (attention.py), only where SGLang runs on a CPU, in every SGLang pro
    the call becomes a no-op (there is one stream on a CPU, so there is nothing to record); others are untouched.
 
 Greedy only: the builtin's sampled acceptance launches a Triton kernel even on its torch fallback, and Triton needs
-a GPU. Everything else the builtin runs here dispatches to its own torch references for CPU tensors
+a GPU (a request with temperature > 0 kills the scheduler: Triton finds no driver), so harnesses send T = 0 only.
+Everything else the builtin runs here dispatches to its own torch references for CPU tensors
 (sglang/kernels/ops/speculative/dspark/dispatch.py); its draft attention (non-causal, ENCODER_ONLY) goes through
 the torch_native backend with our TARGET_VERIFY shim (attention.py).
 """
