@@ -10,10 +10,12 @@ dspark_sgl/sglang/cpu/builtin.py (greedy only, which is all this benchmark asks)
 vocabulary (d2t): a reduced-vocabulary draft is served to it as its full-vocabulary expansion
 (dspark_testkit.full_vocab_expansion: the same greedy proposals, up to fp32 summation order; the row says so), and a
 draft it cannot express (a non-vanilla Markov head with d2t, an MLA draft) gets no builtin row, with the reason
-printed and written to the JSON. For each dataset and concurrency (each prompt its own request, that many in
-flight): tok/s, ratio to plain at that concurrency, accept length (tokens committed per verify step, the bonus
-included), and how many outputs are identical to plain decoding's at T = 0 (one request at a time, the first
---concurrency).
+printed and written to the JSON. `SGLANG_RAGGED_VERIFY_MODE=static` in the environment puts ours on the builtin's
+schedule: their accept lengths must then agree (tests/test_sglang_builtin.py checks it step for step).
+
+For each dataset and concurrency (each prompt its own request, that many in flight): tok/s, ratio to plain at that
+concurrency, accept length (tokens committed per verify step, the bonus included), and how many outputs are
+identical to plain decoding's at T = 0 (one request at a time, the first --concurrency).
 
     python benchmarks/sglang_speed.py --draft DIR [--data gsm8k.jsonl --data humaneval.jsonl] [--concurrency 1 4]
     python benchmarks/sglang_speed.py --draft bigram   # an oracle bigram draft built from the plain outputs
@@ -26,6 +28,7 @@ $DSPARK_SGL_VENV pointing at a venv with sglang (.ci/install_sglang.sh), or from
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -193,9 +196,11 @@ def main(
     result = {
         "target": target, "draft": draft, "device": device, "dtype": "float32", "prompts_per_set": limit,
         "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info, "builtin": builtin_note,
+        "ours_schedule": os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "the worker's default",
     }
     table = Table(title=f"SGLang on {device}, fp32, T=0: plain vs NGRAM (best of k={ngram_tokens}) vs DSPARK builtin "
-                        f"vs DSPARK ours ({max_new_tokens} new tokens per prompt)", caption=f"builtin: {builtin_note}")
+                        f"vs DSPARK ours ({max_new_tokens} new tokens per prompt)",
+                  caption=f"builtin: {builtin_note}; ours' schedule: {result['ours_schedule']}")
     for col in ("data", "conc.", "method", "tok/s", "vs plain", "accept length", "identical T=0"):
         table.add_column(col, justify="left" if col in ("data", "method") else "right")
     for res in results:
