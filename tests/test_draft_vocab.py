@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,3 +419,30 @@ def test_a_bf16_draft_beside_an_fp32_target_scores_its_hot_rows_in_bf16_and_stay
     hot = draft.head_weight()
     assert hot.dtype == torch.bfloat16 and hot.shape[0] == 32
     assert torch.equal(hot.float(), draft.target.lm_head.weight[draft.vocab].to(torch.bfloat16).float())
+
+
+def test_full_vocabulary_expansion_for_the_builtin_proposes_what_the_reduced_draft_does():
+    """benchmarks/sglang_speed.py serves SGLang's builtin DSPARK (no d2t) the full-vocabulary expansion of a reduced
+    draft: same outputs and the same accepted drafts at every step as the reduced draft, here in our engine, on a
+    draft whose backbone and Markov table both decide picks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
+    from dspark_testkit import full_vocab_expansion
+
+    target = HFTarget(tiny_llama(), [0, 2])
+    ref = SpecEngine(target).generate(PROMPTS, 24)
+    pairs = pairs_from(PROMPTS, [r.token_ids for r in ref])
+    hot = sorted({n for _, n in pairs} | {0})  # K = 15 of V = 64
+    torch.manual_seed(2)
+    draft = reduced(target, hot, block_size=5, markov_rank=64).eval()  # random backbone at full norm
+    index, prev_ids = {t: i for i, t in enumerate(hot)}, sorted({p for p, _ in pairs})
+    with torch.no_grad():
+        for p, n in pairs:  # a bigram bias of the size of the base logits: both decide picks
+            draft.markov_head.markov_w1.weight[p] = 0.0
+            draft.markov_head.markov_w1.weight[p, prev_ids.index(p)] = 1.0
+            draft.markov_head.markov_w2.weight[index[n], prev_ids.index(p)] = 3.0
+    full = full_vocab_expansion(draft)
+    assert full.config.draft_vocab_size is None and full.markov_head.markov_w2.weight.shape == (64, 65)
+    a, b = (SpecEngine(target, d).generate(PROMPTS, 24) for d in (draft, full))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] == [r.token_ids for r in ref]
+    assert [o.stats.accept_hist for o in a] == [o.stats.accept_hist for o in b]
+    assert sum(sum(h[1:]) for h in (o.stats.accept_hist for o in a)) > 0  # drafts are accepted

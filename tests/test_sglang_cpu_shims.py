@@ -296,3 +296,17 @@ def test_verify_attention_chain_is_causal_extend_after_the_prefix(on_path):
         mask = torch.arange(n)[None] <= (int(prefix[b]) + torch.arange(window))[:, None]
         ref = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(out[b * window : (b + 1) * window], ref)
+
+
+def test_builtin_harness_shim_is_off_without_its_switch_and_skips_record_stream_on_cpu(monkeypatch):
+    """dspark_sgl/sglang/cpu/builtin.py (SGLang's builtin DSPARK on CPU, tests and benchmarks only) patches nothing
+    unless DSPARK_SGL_BUILTIN_ON_CPU=1; its record_stream is a no-op where torch's has no CPU kernel."""
+    from dspark_sgl.sglang.cpu import builtin
+
+    monkeypatch.delenv(builtin.ENV, raising=False)
+    before = torch.Tensor.record_stream
+    builtin.load()
+    assert torch.Tensor.record_stream is before
+    with pytest.raises(RuntimeError):
+        torch.zeros(3).record_stream(torch.cpu.current_stream())
+    assert builtin.record_stream(torch.zeros(3), torch.cpu.current_stream()) is None

@@ -200,11 +200,13 @@ def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
 
 
 def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Path, block_size: int = 7,
-                       scale: float = 30.0, seed: int = 0, **overrides) -> Path:
+                       scale: float = 30.0, seed: int = 0, final_norm: float = 1e-3, **overrides) -> Path:
     """A DSpark draft whose Markov head is the bigram table of `sequences` (e.g. the target's own greedy outputs).
 
     The backbone is random but its final norm is ~0, so base logits are tiny and each draft token is the bigram
-    successor of the previous one: a good predictor of a target that repeats itself, built without training. The
+    successor of the previous one: a good predictor of a target that repeats itself, built without training.
+    `final_norm=1.0` keeps the random backbone's base logits (SmolLM2: max ≈ 10-14 over the vocabulary): with a
+    `scale` of that size, each proposal is the bigram successor or the backbone's pick over the context. The
     confidence head says 0.95 when the previous token is in the table and 0.05 when it is not, so the confidence
     schedule has something true to act on. The whole draft path (context K/V, block forward, rollout, confidence)
     still runs.
@@ -231,7 +233,7 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
     torch.manual_seed(seed)
     draft = DSparkDraft(config)
     with torch.no_grad():
-        draft.norm.weight.fill_(1e-3)
+        draft.norm.weight.fill_(final_norm)
         head = draft.markov_head
         head.markov_w1.weight.zero_()
         head.markov_w2.weight.zero_()
@@ -274,3 +276,53 @@ def build_tiny_target(out_dir: Path, vocab: int = 8, hidden: int = 64, layers: i
     PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t0", eos_token=f"t{eos}", unk_token="t0",
                             pad_token="t0").save_pretrained(out_dir)
     return out_dir
+
+
+# ---- a reduced-vocabulary draft for SGLang's builtin, which has no d2t ---------------------------------------------
+OUTSIDE_VOCAB_BIAS = -1e4  # far below any base logit, so no token outside the draft vocabulary can win the argmax
+
+
+def full_vocab_expansion(draft, outside_bias: float = OUTSIDE_VOCAB_BIAS):
+    """The same draft over the full vocabulary: what a reduced-vocabulary (d2t) draft proposes, in a form SGLang's
+    builtin DSPARK loads. A vanilla Markov head gains one rank whose latent is 1 for every previous token: its W2
+    column is 0 on the K draft tokens and `outside_bias` elsewhere, and the K draft tokens' W2 rows are the reduced
+    head's. So every draft token's step logit is unchanged (base = the same lm_head row, bias + 0) and every other
+    token's is pushed out of reach: the greedy pick is the reduced draft's (up to fp32 summation order). The
+    confidence head (which reads the same latent) gets a zero weight for the new rank. Greedy drafts only: the
+    step distribution under sampling is not the reduced draft's (exp(-1e4) is not exactly 0 in every kernel)."""
+    import dataclasses
+
+    import torch
+
+    from dspark_sgl.model.draft import DSparkDraft
+
+    c = draft.config
+    if not c.reduced_vocab:
+        return draft
+    if c.markov_head_type != "vanilla":
+        raise ValueError(f"full_vocab_expansion handles the vanilla Markov head, not {c.markov_head_type!r}")
+    big = DSparkDraft(dataclasses.replace(c, draft_vocab_size=None, markov_rank=c.markov_rank + 1))
+    state = {k: v for k, v in draft.state_dict().items() if k != "d2t"}
+    w1, w2 = state["markov_head.markov_w1.weight"], state["markov_head.markov_w2.weight"]
+    state["markov_head.markov_w1.weight"] = torch.cat((w1, w1.new_ones(w1.shape[0], 1)), 1)
+    full = w2.new_zeros(c.vocab_size, c.markov_rank + 1)
+    full[:, -1] = outside_bias
+    full[draft.vocab] = torch.cat((w2, w2.new_zeros(w2.shape[0], 1)), 1)
+    state["markov_head.markov_w2.weight"] = full
+    if draft.confidence_head is not None and draft.confidence_head.with_markov:
+        w = state["confidence_head.proj.weight"]
+        state["confidence_head.proj.weight"] = torch.cat((w, w.new_zeros(w.shape[0], 1)), 1)
+    big.load_state_dict(state)
+    return big.to(next(draft.parameters()).dtype)
+
+
+def expand_draft_folder(draft_dir: Path, out_dir: Path) -> Path:
+    """`full_vocab_expansion` of a draft folder, written to out_dir (sts.json, if any, is copied along)."""
+    import shutil
+
+    from dspark_sgl.model.checkpoint import load_draft, save_draft
+
+    out = save_draft(full_vocab_expansion(load_draft(draft_dir)), out_dir)
+    if (Path(draft_dir) / "sts.json").exists():
+        shutil.copy(Path(draft_dir) / "sts.json", out / "sts.json")
+    return out

@@ -94,3 +94,6 @@ def load() -> None:
     from dspark_sgl.sglang.cpu import kda
 
     kda.register(HookRegistry, HookType)  # KDA + MLA hybrids (Kimi-Linear / K3) on CPU
+    from dspark_sgl.sglang.cpu import builtin
+
+    builtin.load()  # test/benchmark harnesses only: SGLang's builtin DSPARK on CPU (DSPARK_SGL_BUILTIN_ON_CPU=1)
