@@ -41,6 +41,7 @@ from rich.table import Table
 
 from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt
+from dspark_sgl.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
 from dspark_testkit import ServeCommand, build_bigram_draft, expand_draft_folder  # noqa: E402
@@ -194,6 +195,7 @@ def main(
         results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried,
                         "dspark_step": {dt: b.get(key) for dt, b in breakdown.items()}})
     result = {
+        "provenance": provenance(data=[str(d) for d in data], concurrency=concurrencies, ngram_tokens=ngram_tokens),
         "target": target, "draft": draft, "device": device, "dtype": "float32", "prompts_per_set": limit,
         "max_new_tokens": max_new_tokens, "results": results, "dspark_info_record": info, "builtin": builtin_note,
         "ours_schedule": os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "the worker's default",
