@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import Server, build_bigram_draft, sglang_python  # noqa: E402
+from dspark_testkit import Server, build_bigram_draft  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sglang_python() is None, reason="needs the sglang venv (point DSPARK_SGL_VENV at it)"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.timeout(1500)]  # the sglang marker: test-sglang runs it
 
 GAMMA, MAX_NEW = 7, 24
 PROMPTS = ["1, 2, 3, 4, 5, 6,", "Monday, Tuesday, Wednesday,", "The capital of France is", "def fibonacci(n):"]
