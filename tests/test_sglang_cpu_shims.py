@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark_sgl.sglang.cpu import STANDINS, kernels, server_env
-from dspark_sgl.sglang.cpu.attention import tree_verify_attention, verify_extend_lens
+from dspark_sgl.sglang.cpu.attention import tree_verify_attention, verify_extend_lens, window_attention, window_plan
 
 
 @pytest.fixture
@@ -296,6 +297,113 @@ def test_verify_attention_chain_is_causal_extend_after_the_prefix(on_path):
         mask = torch.arange(n)[None] <= (int(prefix[b]) + torch.arange(window))[:, None]
         ref = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(out[b * window : (b + 1) * window], ref)
+
+
+# Ragged batches for the batched DECODE / TARGET_VERIFY attention: committed lengths, window width, query/KV heads.
+WINDOW_CASES = {"decode_b1": ([7], 1, 4, 4), "decode_ragged_gqa": ([1, 9, 4, 13], 1, 6, 2),
+                "verify_ragged_gqa": ([5, 12, 1], 4, 6, 2), "verify_w2_mha": ([3, 8], 2, 4, 4),
+                "verify_w8_gqa": ([20, 2, 9, 31], 8, 9, 3)}
+
+
+def _window_batch(seed, lens, w, heads, kv_heads, d=8, slots=512, dtype=torch.float32):
+    """Random pool K/V, a req_to_token whose rows hold scattered slots, and queries for w tokens per request."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, d, generator=g).to(dtype)
+    rows = torch.tensor([2 * b + 1 for b in range(len(lens))])
+    req_to_token = torch.randperm(slots, generator=g)[: 2 * len(lens) * 40].view(2 * len(lens), 40).int()
+    q = torch.randn(len(lens) * w, heads, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, req_to_token, rows, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_window_attention_equals_per_request_attention(case):
+    """Each request's w queries, one by one, over exactly its prefix and the window up to itself (no mask, no pad)."""
+    lens, w, heads, kv_heads = WINDOW_CASES[case]
+    q, k_cache, v_cache, req_to_token, rows, committed = _window_batch(0, lens, w, heads, kv_heads)
+    kv_lens = committed + (w if w > 1 else 0)  # a decode step's seq_lens already count its one query
+    out = window_attention(q, k_cache, v_cache, window_plan(req_to_token, rows, kv_lens, w))
+    group = heads // kv_heads
+    for b, n in enumerate(kv_lens.tolist()):
+        for i in range(w):
+            slots = req_to_token[int(rows[b]), : n - w + i + 1]
+            k, v = k_cache[slots].repeat_interleave(group, 1), v_cache[slots].repeat_interleave(group, 1)
+            att = torch.softmax(torch.einsum("hd,khd->hk", q[b * w + i], k) / 8**0.5, -1)
+            torch.testing.assert_close(out[b * w + i], torch.einsum("hk,khd->hd", att, v), atol=1e-6, rtol=1e-5)
+
+
+class _Pool:
+    """The token-to-KV pool surface the torch_native backend touches: one layer's K/V buffers."""
+
+    def __init__(self, k_cache, v_cache):
+        self.k, self.v = k_cache, v_cache
+
+    def get_key_buffer(self, layer_id):
+        return self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.v
+
+    def set_kv_buffer(self, layer, loc, k, v, *args, **kwargs):
+        loc = getattr(loc, "loc", loc)
+        self.k[loc], self.v[loc] = k.view(-1, *self.k.shape[1:]), v.view(-1, *self.v.shape[1:])
+
+
+def _backends(pool, req_to_token):
+    """SGLang's stock torch_native backend and ours (the plugin's REPLACE class), wired to the same pool."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from dspark_sgl.sglang.cpu.attention import make_backend_class
+
+    out = []
+    for cls in (TorchNativeAttnBackend, make_backend_class()):
+        backend = cls.__new__(cls)
+        backend.token_to_kv_pool, backend.swa_out_cache_loc = pool, None
+        backend.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
+        backend.forward_metadata, backend.use_sliding_window_kv_pool = None, False
+        out.append(backend)
+    return out
+
+
+@pytest.mark.sglang_inprocess
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_batched_backend_equals_sglangs_torch_native(on_path, case):
+    """DECODE against SGLang's own decode loop; a chain TARGET_VERIFY against SGLang's own SDPA extend over the window
+    after the prefix (what the stock path computes once it knows the prefix); the new K/V written first, as SGLang's."""
+    on_path("sgl_kernel"), on_path("torchvision")
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    lens, w, heads, kv_heads = WINDOW_CASES[case]
+    q, k_cache, v_cache, req_to_token, rows, committed = _window_batch(1, lens, w, heads, kv_heads)
+    d, bs = q.shape[-1], len(lens)
+    g = torch.Generator().manual_seed(7)
+    k_new, v_new = torch.randn(bs * w, kv_heads * d, generator=g), torch.randn(bs * w, kv_heads * d, generator=g)
+    layer = SimpleNamespace(tp_q_head_num=heads, tp_k_head_num=kv_heads, qk_head_dim=d, v_head_dim=d, layer_id=0,
+                            scaling=d**-0.5, is_cross_attention=False, attn_type=AttentionType.DECODER,
+                            sliding_window_size=-1, logit_cap=0.0)
+    verify = w > 1
+    kv_lens = committed + w if verify else committed
+    window = torch.arange(w)[None] + (kv_lens - w)[:, None]  # [bs, w] positions of the new tokens
+    loc = torch.stack([req_to_token[int(r), window[b]] for b, r in enumerate(rows)]).view(-1).long()
+    outs = []
+    for backend in _backends(None, req_to_token):
+        backend.token_to_kv_pool = _Pool(k_cache.clone(), v_cache.clone())
+        fb = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE,
+                             spec_info=SimpleNamespace(draft_token_num=w, custom_mask=None), seq_lens=committed,
+                             seq_lens_cpu=committed, req_pool_indices=rows, out_cache_loc=loc, encoder_lens=None)
+        stock = type(backend).__name__ == "TorchNativeAttnBackend"
+        if stock and verify:
+            prefix, extend, kv = verify_extend_lens(committed, w)
+            fb.seq_lens, fb.seq_lens_cpu, fb.extend_prefix_lens, fb.extend_seq_lens = kv, kv, prefix, extend
+            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = prefix.tolist(), extend.tolist()
+            fb.forward_mode = ForwardMode.EXTEND
+        elif not verify:
+            fb.seq_lens = fb.seq_lens_cpu = kv_lens
+        backend.init_forward_metadata(fb)
+        run = backend.forward_extend if verify else backend.forward_decode
+        outs.append(run(q.reshape(bs * w, -1), k_new, v_new, layer, fb))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
 
 
 def test_builtin_harness_shim_is_off_without_its_switch_and_skips_record_stream_on_cpu(monkeypatch):
