@@ -112,7 +112,10 @@ def make_backend_class():
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     class BatchedTorchNativeBackend(TorchNativeAttnBackend):
-        """torch_native whose DECODE and TARGET_VERIFY run as one batched attention; prefill/extend unchanged."""
+        """torch_native whose DECODE and TARGET_VERIFY run as one batched attention; prefill/extend unchanged.
+        `batched = False` (benchmarks/sglang_verify_cost.py's stock path) routes both through SGLang's own loops."""
+
+        batched = True
 
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
@@ -122,12 +125,12 @@ def make_backend_class():
             if not forward_batch.forward_mode.is_target_verify():
                 return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
             n = int(forward_batch.spec_info.draft_token_num)
-            if not _batched(layer, forward_batch):
+            if not (self.batched and _batched(layer, forward_batch)):
                 return self._verify_as_extend(q, k, v, layer, forward_batch, n, save_kv_cache)
             return self._window(q, k, v, layer, forward_batch, save_kv_cache)
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-            if not _batched(layer, forward_batch):
+            if not (self.batched and _batched(layer, forward_batch)):
                 return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
             return self._window(q, k, v, layer, forward_batch, save_kv_cache)
 
