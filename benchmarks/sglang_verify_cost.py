@@ -4,14 +4,15 @@ In-process: SGLang's own ModelRunner (the loader of SGLang's one-batch benchmark
 requests prefilled by SGLang's ScheduleBatch, the verify batch built the way our worker builds it (SGLang's verify
 window plan and DFlashVerifyInput.prepare_for_verify). Each forward is timed alone (median of --repeats), for
 
-  stock : SGLang's torch_native decode loop, and a verify routed through its per-request SDPA extend (what the
-          dspark_cpu shim did before #22: stock torch_native cannot verify at all)
-  ours  : dspark_cpu's batched DECODE / TARGET_VERIFY attention (dspark_sgl/sglang/cpu/attention.py), and the
-          packed linears of dspark_sgl/sglang/cpu/linear.py where they are on (DSPARK_SGL_PACKED_LINEAR)
+  stock   : SGLang's torch_native decode loop, and a verify routed through its per-request SDPA extend (what the
+            dspark_cpu shim did before #22: stock torch_native cannot verify at all)
+  batched : dspark_cpu's batched DECODE / TARGET_VERIFY attention (dspark_sgl/sglang/cpu/attention.py) alone
+  ours    : batched attention and the oneDNN-packed fp32 linears of dspark_sgl/sglang/cpu/linear.py (what the
+            dspark_cpu plugin serves with; DSPARK_SGL_PACKED_LINEAR=0 makes it equal `batched`)
 
 at batch 1 and 4 (ragged prompt lengths), w = 1, 2, 4, 8, fp32 and bf16 (each dtype in its own process). The table is
 verify ms / the same path's decode ms; `--breakdown` adds, per path, where the ms of a decode and a w=4 verify step
-go (torch profiler, grouped by op kind). The logits of both paths are compared (max |diff| in the JSON).
+go (torch profiler, grouped by op kind). Each path's logits are compared with stock's (max |diff| in the JSON).
 
     OMP_NUM_THREADS=... PYTHONPATH=$PWD /work/venv-sglang/bin/python benchmarks/sglang_verify_cost.py [--breakdown]
 """
@@ -32,7 +33,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "benchmarks" / "results" / "sglang_verify_cost.json"
-PATHS = ("stock", "ours")
+PATHS = ("stock", "batched", "ours")
 KINDS = {  # profiler op name fragments -> the kind of work (first match wins)
     "linear": ("addmm", "aten::mm", "aten::linear", "matmul", "mkldnn", "bmm"),
     "attention": ("scaled_dot_product", "flash_attention", "softmax", "baddbmm"),
@@ -88,12 +89,19 @@ def load_runner(model: str, dtype: str):
 
 
 def backends(model_runner) -> dict:
-    """One attention backend per path, both built on this model runner (its pools)."""
+    """One attention backend per path, all built on this model runner (its pools); linear.py's hook installed as
+    the dspark_cpu plugin installs it (it acts only under a backend that asks for packed linears)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from dspark_sgl.sglang.cpu import linear
     from dspark_sgl.sglang.cpu.attention import make_backend_class
 
+    linear.register(HookRegistry, HookType)
+    HookRegistry.apply_hooks()
     ours = make_backend_class()
-    stock = type("StockTorchNative", (ours,), {"batched": False})
-    return {"stock": stock(model_runner), "ours": ours(model_runner)}
+    stock = type("StockTorchNative", (ours,), {"batched": False, "packed_linear": False})
+    batched = type("BatchedOnly", (ours,), {"packed_linear": False})
+    return {"stock": stock(model_runner), "batched": batched(model_runner), "ours": ours(model_runner)}
 
 
 def prefill(ob, model_runner, lens: list[int]):
@@ -209,7 +217,8 @@ def run_dtype(args) -> dict:
         row = {"batch": bs, "prompt_lens": lens,
                "median_ms": {n: {s: round(statistics.median(times[n, s]), 3) for s in steps} for n in paths},
                "min_ms": {n: {s: round(min(times[n, s]), 3) for s in steps} for n in paths},
-               "max_abs_logit_diff": {s: float((logits["stock", s] - logits["ours", s]).abs().max()) for s in steps}}
+               "max_abs_logit_diff_vs_stock": {n: {s: float((logits["stock", s] - logits[n, s]).abs().max())
+                                                   for s in steps} for n in paths if n != "stock"}}
         if args.breakdown:
             w = 4 if 4 in args.widths else args.widths[-1]
             row["breakdown"] = {name: {s: breakdown(mr, b, steps[s]) for s in ("decode", f"verify_w{w}")}
@@ -221,19 +230,21 @@ def run_dtype(args) -> dict:
 
 # ---- the parent: one child per dtype, the table, the result file ----------------------------------------------------
 def table(results: list[dict]) -> str:
-    widths = sorted({int(s[8:]) for r in results for row in r["rows"] for s in row["median_ms"]["ours"] if s[8:]})
-    head = (f"{'dtype':9} {'bs':>2} {'path':5} {'decode ms':>9} " + " ".join(f"{'w=' + str(w):>6}" for w in widths)
+    """verify / decode per path from each step's least-disturbed time (min of the rounds: on a shared machine the
+    median carries other processes' load; both are in the JSON)."""
+    widths = sorted({int(s[8:]) for r in results for row in r["rows"] for s in row["min_ms"]["ours"] if s[8:]})
+    head = (f"{'dtype':9} {'bs':>2} {'path':7} {'decode ms':>9} " + " ".join(f"{'w=' + str(w):>6}" for w in widths)
             + f" {'decode vs stock':>15}")
     lines = [head, "-" * len(head)]
     for r in results:
         for row in r["rows"]:
-            ms = row["median_ms"]
+            ms = row["min_ms"]
             for name in PATHS:
                 dec = ms[name]["decode"]
                 ratios = " ".join(f"{ms[name][f'verify_w{w}'] / dec:6.2f}" for w in widths)
-                lines.append(f"{r['dtype']:9} {row['batch']:>2} {name:5} {dec:9.2f} {ratios} "
+                lines.append(f"{r['dtype']:9} {row['batch']:>2} {name:7} {dec:9.2f} {ratios} "
                              f"{dec / ms['stock']['decode']:15.2f}")
-    return "\n".join(lines) + "\n(w=..: median verify ms / the same path's median decode ms)"
+    return "\n".join(lines) + "\n(w=..: verify ms / the same path's decode ms; min over the rounds)"
 
 
 def main(argv=None) -> None:

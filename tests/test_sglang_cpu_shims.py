@@ -406,6 +406,23 @@ def test_batched_backend_equals_sglangs_torch_native(on_path, case):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
 
 
+# ---- packed linears ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+def test_packed_linear_equals_f_linear_and_follows_weight_updates(rows):
+    """oneDNN's packed fp32 linear (dspark_sgl/sglang/cpu/linear.py) against F.linear; an in-place weight update (what
+    a live weight update does) must reach it, not a stale packed copy."""
+    from dspark_sgl.sglang.cpu.linear import packed_linear
+
+    g = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(64, 96)
+    x = torch.randn(rows, 3, 64, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(packed_linear(x, layer, layer.bias), torch.nn.functional.linear(x, layer.weight,
+                                   layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight.mul_(-0.5)
+        torch.testing.assert_close(packed_linear(x, layer), x @ layer.weight.T, atol=1e-5, rtol=1e-5)
+
+
 def test_builtin_harness_shim_is_off_without_its_switch_and_skips_record_stream_on_cpu(monkeypatch):
     """dspark_sgl/sglang/cpu/builtin.py (SGLang's builtin DSPARK on CPU, tests and benchmarks only) patches nothing
     unless DSPARK_SGL_BUILTIN_ON_CPU=1; its record_stream is a no-op where torch's has no CPU kernel."""

@@ -113,13 +113,18 @@ def make_backend_class():
 
     class BatchedTorchNativeBackend(TorchNativeAttnBackend):
         """torch_native whose DECODE and TARGET_VERIFY run as one batched attention; prefill/extend unchanged.
-        `batched = False` (benchmarks/sglang_verify_cost.py's stock path) routes both through SGLang's own loops."""
+        `batched = False` (benchmarks/sglang_verify_cost.py's stock path) routes both through SGLang's own loops;
+        `packed_linear` lets the fp32 linears of those forwards use oneDNN's packed weights (linear.py)."""
 
         batched = True
+        packed_linear = True
+        packed_linear_now = False  # read by linear.py: this forward is a DECODE or TARGET_VERIFY one
 
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             self._plan = None  # built by the first layer of this forward that needs it
+            mode = forward_batch.forward_mode
+            self.packed_linear_now = self.packed_linear and (mode.is_decode() or mode.is_target_verify())
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             if not forward_batch.forward_mode.is_target_verify():
@@ -184,6 +189,9 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, make_backend_class(), HookType.REPLACE)
+    from dspark_sgl.sglang.cpu import linear
+
+    linear.register(HookRegistry, HookType)  # oneDNN-packed fp32 linears in DECODE / TARGET_VERIFY forwards
     from dspark_sgl.sglang.cpu import kda
 
     kda.register(HookRegistry, HookType)  # KDA + MLA hybrids (Kimi-Linear / K3) on CPU
