@@ -33,7 +33,10 @@ pytestmark = pytest.mark.planted
 
 ALPHA = 1e-3  # the served-distribution tests' threshold: p below it fails
 V3, PROMPT3 = 6, [1, 2, 3]  # the tiny-vocabulary target of the chi-square tests (V^3 = 216 cells)
-N_PENALTY, N_TOP_P, N_D2T = 20_000, 6_000, 6_000
+N_PENALTY, N_TOP_P, N_D2T = 4_000, 4_000, 4_000
+# strong penalties: the planted bug's effect grows with them (at test_target_dist's milder set, 4,000 samples catch
+# it rarely; benchmarks/results/planted_power.json)
+PENALTIES = dict(repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0)
 
 
 # ---- the switch ------------------------------------------------------------------------------------------------
@@ -78,13 +81,13 @@ def three_token_counts(out) -> torch.Tensor:
     return torch.bincount(seqs[:, 0] * V3 * V3 + seqs[:, 1] * V3 + seqs[:, 2], minlength=V3**3)
 
 
-def penalty_pvalue(n: int = N_PENALTY, seed: int = 7) -> float:
+def penalty_pvalue(n: int = N_PENALTY, seed: int = 7, penalties: dict | None = None) -> float:
     """Served joint of 3 tokens under repetition + frequency + presence penalties vs the enumeration (whose
     history is the output so far: no draft tokens enter it)."""
     from tests.test_target_dist import exact_joint
 
     model, target, draft = tiny3()
-    req = RequestSampling(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4)
+    req = RequestSampling(temperature=1.0, **(penalties or PENALTIES))
     exact = exact_joint(model, req)  # planted code is not on this path (drafts=None)
     out = SpecEngine(target, draft).generate([PROMPT3] * n, 3, SamplingConfig(seed=seed), requests=[req] * n)
     return chi2_pvalue(three_token_counts(out), exact)
