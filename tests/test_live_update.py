@@ -58,6 +58,19 @@ def host() -> Host:
     return Host(make_draft(0))
 
 
+def test_a_reduced_vocabulary_draft_updates_with_its_d2t(tmp_path):
+    """The int64 d2t buffer of a reduced draft vocabulary is part of the update (not refused as a non-float weight,
+    not cast to float)."""
+    host = Host(make_draft(0, draft_vocab_size=10))
+    host.draft.set_vocab(torch.arange(10))
+    new = make_draft(1, draft_vocab_size=10)
+    new.set_vocab(torch.arange(10) * 3)
+    save_draft(new, tmp_path / "d")
+    ok, msg = host.updater.update_weights_from_disk(str(tmp_path / "d"), "auto")
+    assert ok, msg
+    assert host.draft.d2t.dtype == torch.long and host.draft.vocab.tolist() == list(range(0, 30, 3))
+
+
 def test_disk_update_installs_a_whole_new_draft_with_its_sts_sps_and_version(host, tmp_path):
     old, before = host.draft, snapshot(host.draft)
     new = make_draft(1)

@@ -79,8 +79,11 @@ def check_config(serving: DSparkConfig, update: DSparkConfig) -> None:
         raise UpdateRefused(f"draft update config differs from the serving draft in {diff}: {shown}")
 
 
+INTEGER_BUFFERS = {"d2t"}  # a reduced vocabulary's draft -> target id offsets (int64, never cast)
+
+
 def check_dtypes(state: dict[str, Tensor]) -> None:
-    bad = sorted(f"{k} ({t.dtype})" for k, t in state.items() if not t.is_floating_point())
+    bad = sorted(f"{k} ({t.dtype})" for k, t in state.items() if not t.is_floating_point() and k not in INTEGER_BUFFERS)
     if bad:
         raise UpdateRefused(f"draft update has non-floating tensors {bad[:6]}; weights must be float32/bf16/fp16")
 
@@ -101,7 +104,7 @@ def build_release(serving: DSparkDraft, config: DSparkConfig, state: dict[str, T
     except CheckpointError as e:
         raise UpdateRefused(str(e)) from None
     ref = serving.fc.weight
-    draft.load_state_dict({k: t.to(ref.dtype) for k, t in state.items()}, assign=True)
+    draft.load_state_dict({k: t.to(ref.dtype) if t.is_floating_point() else t for k, t in state.items()}, assign=True)
     draft = draft.to(device=ref.device, dtype=ref.dtype).eval()
     if serving._target is not None:
         draft.bind_target(serving.target.embed_tokens, serving.target.lm_head, serving.target.hot_dtype)

@@ -37,6 +37,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify
 from torch import Tensor
 
 from dspark_sgl.dtypes import dtype_name, resolve_dtype
+from dspark_sgl.faults import planted
 from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
@@ -180,6 +181,8 @@ class DSparkWorker(BaseSpecWorker):
         if stale is None:
             return lengths
         self._stale_rows = self._stale_rows + stale.sum()
+        if planted("stale_cap"):
+            return lengths
         return torch.where(stale, torch.ones_like(lengths), lengths)
 
     def _host_width(self, key: tuple) -> int:
@@ -272,17 +275,20 @@ class DSparkWorker(BaseSpecWorker):
         logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens,
                                      longest)
         rule = "block" if self.block_verification else "rejection"
-        acc = accept_rows(prop, logits, rows, lengths - 1, noise, rule)
+        limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
+        acc = accept_rows(prop, logits, rows, limit, noise, rule)
         self.planner.record(lengths, w, acc.num_accepted)
         self.times.mark("accept")
 
         c = acc.num_accepted
         if self.hybrid is not None:  # before any other target forward: the commit reads this verify's metadata
-            self.hybrid.commit(batch, seq_lens, c + 1)
+            self.hybrid.commit(batch, seq_lens, (c + 2).clamp(max=w) if planted("hybrid_commit") else c + 1)
         cols = torch.arange(W, device=self.device)[None]
         out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
         out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
         keep = (cols[:, :w] <= c[:, None]).reshape(-1)  # the anchor and the accepted drafts now hold target KV
+        if planted("context_keep"):  # shifted by one: x_1..x_{c+1}, not the anchor..x_c
+            keep = ((cols[:, :w] >= 1) & (cols[:, :w] <= c[:, None] + 1)).reshape(-1)
         aux = logits_output.hidden_states.view(bs * w, -1)
         loc = window.verify_cache_loc_2d.reshape(-1)
         self.context.write(loc, aux, window.positions_2d.reshape(-1), keep)

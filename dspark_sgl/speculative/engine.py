@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
@@ -198,7 +199,7 @@ class SpecEngine:
         limit = None
         n_verify = gamma + 1
         if self.planner is not None:
-            limit = (self.planner(prop) - 1).clamp(0, gamma)
+            limit = (self.planner(prop) - (2 if planted("verify_limit") else 1)).clamp(0, gamma)
             n_verify = int(limit.max()) + 1  # the target runs only the longest scheduled prefix
         clock.lap("rollout", prop.tokens)
         verify_ids = torch.cat((anchor[:, None], prop.tokens[:, : n_verify - 1]), 1)
@@ -208,9 +209,12 @@ class SpecEngine:
         res = accept_rows(prop, logits, step.bs, limit, noise, step.acceptance)
         keep = res.num_accepted + 1  # the anchor and the accepted drafts now have target KV
         clock.lap("accept", res.bonus)
-        kv.commit(n_verify, keep)
+        kv.commit(n_verify, torch.full_like(keep, n_verify) if planted("kv_rollback") else keep)
         t2 = _sync_time(keep)
-        ctx.append(out.aux, keep)
+        if planted("context_keep"):  # the context of x_1..x_{c+1} at the places of anchor..x_c
+            ctx.append(out.aux, keep.clamp(max=n_verify - 1), start=torch.ones_like(keep))
+        else:
+            ctx.append(out.aux, keep)
         t3 = _sync_time(ctx.lengths)
         clock.lap("commit")
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dspark_sgl.faults import planted
 from dspark_sgl.kernels.markov_step import markov_step
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.speculative.sampling import ROLLOUT, Noise, as_noise, draft_probs, sample_u
@@ -65,12 +66,14 @@ def rollout(
             confs.append(conf_head(h[:, t], head.markov_w1(prev).to(h.dtype)))
             if timer is not None:
                 timer.lap("confidence", confs[-1])
-        latent, state = head.latent(prev, h[:, t], state)
+        latent, state = head.latent(anchor if planted("markov_prev") else prev, h[:, t], state)
         prev, step = markov_step(base[:, t], latent, head.markov_w2.weight, vocab=vocab)  # fused bias + argmax
         if any_sampled:
             probs = torch.softmax(step.float() / torch.where(sampled, temps, 1.0)[:, None], -1)
             pick = sample_u(probs, u[:, t])
-            prev = torch.where(sampled, pick if vocab is None else vocab[pick], prev)
+            if vocab is not None:  # draft id -> target id (d2t)
+                pick = vocab[(pick + 1) % vocab.shape[0]] if planted("d2t_sampled") else vocab[pick]
+            prev = torch.where(sampled, pick, prev)
         tokens.append(prev)
         logits.append(step)
         if timer is not None:

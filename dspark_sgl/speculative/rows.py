@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.speculative.accept import ACCEPT_RULES, Acceptance, greedy_accept
 from dspark_sgl.speculative.markov import Proposal, rollout
@@ -29,7 +30,7 @@ from dspark_sgl.speculative.timing import StepTimer
 
 def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: Tensor | None) -> Noise:
     """The step's random numbers: seeded rows hash (seed, anchor position), the rest read the generator."""
-    if s.seeds is None:
+    if s.seeds is None or planted("seed"):
         return Noise(generator)
     return Noise(generator, s.seeds, s.seeded, positions)
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark_sgl.faults import planted
+
 GREEDY_EPS = 1e-6  # SGLang: 0 <= T < 1e-6 means greedy
 
 
@@ -178,7 +180,7 @@ def adjust_logits(logits: Tensor, s: BatchSampling, history: OutputHistory | Non
         if history is None:
             raise ValueError("penalised requests need their output history")
         counts = history.counts[:, None].expand(B, W, V).clone()
-        if W > 1:
+        if W > 1 and not planted("penalty_drafts"):
             counts[:, 1:] += F.one_hot(drafts[:, : W - 1].long(), V).float().cumsum(1)
         add = -s.frequency[:, None, None] * counts - s.presence[:, None, None] * (counts > 0).float()
         if s.stop_mask is not None:
@@ -197,6 +199,8 @@ def _filter(probs: Tensor, s: BatchSampling) -> Tensor:
     """top-k, top-p, min-p on probs [B, W, V] in sorted order, renormalised, back in vocabulary order."""
     sp, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sp.cumsum(-1) - sp  # mass strictly before each token, on the unfiltered softmax (joint)
+    if planted("top_p_boundary"):  # the mass up to and including the token: the boundary token goes too
+        before = torch.where(torch.arange(sp.shape[-1], device=sp.device) == 0, 0.0, before + sp)
     sp = sp * (torch.arange(sp.shape[-1], device=sp.device) < s.top_k[:, None, None])
     if not s.joint:  # FlashInfer with min-p: top-p judged on the renormalised top-k
         sp = sp / sp.sum(-1, keepdim=True)

@@ -248,6 +248,52 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
     return save_draft(draft, out_dir)
 
 
+# ---- a random draft whose proposals depend on everything --------------------------------------------------------
+def build_random_draft(target_dir: Path, out_dir: Path, block_size: int = 3, seed: int = 0, std: float = 0.5,
+                       draft_vocab: list[int] | None = None, sequences: list[list[int]] | None = None,
+                       scale: float = 3.0, **overrides) -> Path:
+    """A random fp32 DSpark draft (every weight N(0, std), final norm included): unlike the bigram oracle above, its
+    proposals depend on the backbone, the draft context K/V, positions and the Markov previous token, so a wrong
+    context write, commit or stale-context cap changes what it proposes (and so the accept counts). draft_vocab:
+    target ids of a reduced vocabulary (d2t). sequences: also put their bigram table into the Markov head at
+    `scale` (comparable to the random base logits), so long runs are accepted too and the previous token matters."""
+    import torch
+
+    from dspark_sgl.config import DSparkConfig, default_target_layer_ids
+    from dspark_sgl.model.checkpoint import save_draft
+    from dspark_sgl.model.draft import DSparkDraft
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    table = bigram_table(sequences or [])
+    fields = dict(
+        hidden_size=t["hidden_size"], num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], head_dim=t.get("head_dim") or t["hidden_size"] // t[
+            "num_attention_heads"], intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
+        rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        block_size=block_size, target_layer_ids=default_target_layer_ids(t["num_hidden_layers"], 3),
+        num_target_layers=t["num_hidden_layers"], mask_token_id=0, markov_rank=max(len(table), 8),
+        draft_vocab_size=len(draft_vocab) if draft_vocab else None,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    draft = DSparkDraft(DSparkConfig(**fields))
+    with torch.no_grad():
+        for prm in draft.parameters():
+            prm.normal_(0, std)
+    if draft_vocab:
+        draft.set_vocab(torch.tensor(draft_vocab))
+    ids = (draft.vocab if draft_vocab else torch.arange(t["vocab_size"])).tolist()
+    head = draft.markov_head
+    with torch.no_grad():
+        for j, prev in enumerate(sorted(table)):
+            head.markov_w1.weight[:, j] = 0.0
+            head.markov_w1.weight[prev, j] = 1.0
+            head.markov_w2.weight[:, j] = 0.0
+            if table[prev] in ids:
+                head.markov_w2.weight[ids.index(table[prev]), j] = scale
+    return save_draft(draft, out_dir)
+
+
 # ---- a tiny random target with a small vocabulary (cheap enough for thousands of served samples) -------------------
 def build_tiny_target(out_dir: Path, vocab: int = 8, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
     """A random fp32 Llama with `vocab` tokens and a word-level tokenizer t0..t{vocab-1} (eos = the last token), so

@@ -1,0 +1,68 @@
+"""Planted bugs, for TESTS ONLY: prove that the test suite can fail.
+
+`DSPARK_SGL_PLANT=<name>` (read once, when this module is first imported: by the SGLang server's worker at start,
+or by a test process) switches on ONE known bug at its one site in the serving worker or the reference engine; the
+tests marked `planted` (tests/test_faults.py, tests/test_sglang_planted.py) show that the check meant to catch it
+fails under it and passes without it. In-process tests use the `plant(name)` context manager instead.
+
+Never set it in production: every planted bug breaks losslessness, acceptance or seeding. Unset (the default), each
+site costs one module-level boolean test (`planted(name)` compares a string with None).
+
+The sites (docs/testing.md has the table of which test catches which):
+    verify_limit    - the verify limit is `lengths - 2`, not `lengths - 1`: the last scheduled draft is never accepted
+                      (worker._forward_decode; engine._spec_step with a planner)
+    hybrid_commit   - a hybrid target's recurrent state is committed for c + 2 tokens, not c + 1 (worker)
+    context_keep    - the draft-context keep mask is shifted by one column: the anchor's context is not written,
+                      the first rejected draft's is (worker; engine: the context is taken one column late)
+    stale_cap       - requests whose draft context predates a live swap are not capped to the anchor (worker)
+    d2t_sampled     - a sampled reduced-vocabulary draft maps draft id i to target id vocab[i + 1] (markov.rollout,
+                      shared by both)
+    markov_prev     - the Markov head's previous token is the anchor at every step (markov.rollout)
+    kv_rollback     - the target KV of rejected drafts is kept (engine: TargetKV.commit skipped; SGLang's own
+                      allocator frees the worker's, so the worker has no such site)
+    penalty_drafts  - penalties at verify column j count the output history but not the block's drafts x_1..x_j
+                      (target_dist.adjust_logits, shared)
+    top_p_boundary  - top-p drops the token that crosses the boundary (mass before it <= p, but with it > p)
+                      (target_dist._filter, shared)
+    seed            - a request's sampling_seed is ignored: seeded rows read the step's generator (rows.step_noise)
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+ENV = "DSPARK_SGL_PLANT"
+PLANTS = frozenset({
+    "verify_limit", "hybrid_commit", "context_keep", "stale_cap", "d2t_sampled", "markov_prev", "kv_rollback",
+    "penalty_drafts", "top_p_boundary", "seed",
+})
+
+
+def _check(name: str | None) -> str | None:
+    if name is not None and name not in PLANTS:
+        raise ValueError(f"{ENV}={name!r} is not a known planted bug; known: {', '.join(sorted(PLANTS))}")
+    return name
+
+
+_active: str | None = _check(os.environ.get(ENV) or None)
+
+
+def planted(name: str) -> bool:
+    """Whether the planted bug `name` is switched on (always False outside tests)."""
+    return _active is not None and _active == name
+
+
+def active() -> str | None:
+    return _active
+
+
+@contextmanager
+def plant(name: str | None):
+    """Switch on planted bug `name` (None: none) for the body; in-process tests only."""
+    global _active
+    saved, _active = _active, _check(name)
+    try:
+        yield
+    finally:
+        _active = saved
