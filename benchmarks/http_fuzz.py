@@ -84,7 +84,7 @@ LOGPROB = {  # (name, value) per endpoint: logprob fields that are not integers
           ("logprob_start_len", "0"), ("token_ids_logprob", ["a"]), ("token_ids_logprob", [1.5]),
           ("top_logprobs_num", -1), ("top_logprobs_num", [1])],
     CMP: [("logprobs", "x"), ("logprobs", 2.5), ("logprobs", -1), ("logprobs", [1])],
-    CHAT: [("top_logprobs", "x"), ("top_logprobs", 2.5), ("top_logprobs", -1), ("logprobs", "yes")],
+    CHAT: [("top_logprobs", "x"), ("top_logprobs", 2.5), ("top_logprobs", -1), ("logprobs", "maybe")],
 }
 WRONG_PROMPT = {  # the prompt field with a wrong type
     GEN: [7, {"a": 1}, [1.5], [[1, "a"]], True, [None]],
@@ -92,7 +92,8 @@ WRONG_PROMPT = {  # the prompt field with a wrong type
     CHAT: ["hi", 7, [{"role": "user"}], [{"content": "hi"}], [{"role": "wizard", "content": "hi"}], [[1]], [None],
            [{"role": "user", "content": 7}]],
 }
-EMPTY_PROMPT = {GEN: ["", [""]], CMP: ["", [""]], CHAT: [[{"role": "user", "content": ""}]]}
+# (chat: an empty message is a valid request, its template is not empty; no messages at all is the empty prompt)
+EMPTY_PROMPT = {GEN: ["", [""]], CMP: ["", [""]], CHAT: [[]]}
 EMPTY_BATCH = {GEN: [{"text": []}, {"input_ids": []}, {"input_ids": [[]]}, {"input_embeds": []}],
                CMP: [{"prompt": []}, {"prompt": [[]]}], CHAT: [{"messages": []}]}
 UNKNOWN = ["temprature", "max_token", "topk", "sampling", "prompt_ids", "foo", "stream_option", "samplingparams"]
@@ -148,7 +149,7 @@ def _empty_prompt(path, rng, model):
 
 def _non_utf8(path, rng, model):
     body = json.dumps(_ok_body(path, rng, model), ensure_ascii=False).encode()
-    junk = bytes(rng.choice([0xFF, 0xFE, 0xC3, 0x80, 0xED]) for _ in range(rng.randint(1, 4)))
+    junk = bytes([0xFF, *(rng.choice([0xFE, 0xC3, 0x80, 0xED]) for _ in range(rng.randint(0, 3)))])  # never UTF-8
     return "non-UTF-8 bytes", body.replace(b"Hello", junk).replace(b"The sky is", junk).replace(b"1 + 1 =", junk)
 
 
