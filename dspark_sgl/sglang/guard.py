@@ -13,6 +13,15 @@ there, and an exception in the scheduler ends the whole server (seen on CPU; doc
 - `return_hidden_states` that is neither a boolean nor "last" (e.g. `[]`): a ValueError in the scheduler's request
   constructor (found by a seeded fuzz).
 
+Found by benchmarks/http_fuzz.py (a seeded fuzz of the HTTP endpoints), refused with a 400 instead of a 500 or
+silence:
+- a JSON body that is not an object (a list, number or string): `refuse_bad_body`, an AROUND hook on the HTTP
+  server's JSON parse, names what came instead; it also refuses fields the endpoint does not know (SGLang ignores
+  them silently, so a misspelt `max_token` or `temprature` changed nothing and got a 200);
+- an empty batch (`"text": []`, `"input_embeds": []`): `refuse_empty_batch`, before SGLang sizes the batch;
+- `top_k` 0 or below -1 (-1 is the whole vocabulary);
+- logprob fields that are not integers (`top_logprobs_num`, `logprob_start_len`, `token_ids_logprob` entries).
+
 Also refused: a `stop_regex` that is not a regular expression or a sampling_params list shorter than the batch
 (SGLang answers both with a bare 500), and `n` outside [1, 128] (OpenAI's bound; SGLang has none: n = 8192 held a CPU
 server busy past its health check, n = 10**9 got no answer in a minute and the server missed its health check).
@@ -28,7 +37,9 @@ the `dspark` plugin, so every server `dspark serve` starts (plain, NGRAM, DSPARK
 
 from __future__ import annotations
 
+import json
 import re
+from functools import cache
 
 MAX_N = 128  # parallel samples per prompt: OpenAI's bound for `n`
 MAX_TOP_K = 2**31 - 1  # SGLang batches top_k as int32
@@ -55,8 +66,11 @@ def _prompt_problem(obj, input_ids, vocab_size: int) -> str | None:
 
 def _sampling_problem(params: dict, vocab_size: int) -> str | None:
     top_k = params.get("top_k")
-    if isinstance(top_k, int) and top_k > MAX_TOP_K:
-        return f"top_k = {top_k} is too large (at most {MAX_TOP_K}); -1 samples from the whole vocabulary"
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        if top_k > MAX_TOP_K:
+            return f"top_k = {top_k} is too large (at most {MAX_TOP_K}); -1 samples from the whole vocabulary"
+        if top_k == 0 or top_k < -1:
+            return f"top_k = {top_k} must be -1 (the whole vocabulary) or at least 1"
     stop = params.get("stop_token_ids")
     if stop is not None:
         if not isinstance(stop, list | tuple | set):
@@ -77,13 +91,22 @@ def _logprob_problem(obj, prompt_len: int, vocab_size: int) -> str | None:
     if not getattr(obj, "return_logprob", False):
         return None  # SGLang ignores both fields then
     start = getattr(obj, "logprob_start_len", -1)
-    if start is not None and not (isinstance(start, int) and (start == -1 or 0 <= start <= prompt_len)):
+    if start is not None and not (_is_int(start) and (start == -1 or 0 <= start <= prompt_len)):
         return (f"logprob_start_len = {start!r} must be -1 (no prompt logprobs) or in [0, {prompt_len}] "
                 "(the prompt length)")
     top = getattr(obj, "top_logprobs_num", 0)
-    if top is not None and not (isinstance(top, int) and 0 <= top <= vocab_size):
+    if top is not None and not (_is_int(top) and 0 <= top <= vocab_size):
         return f"top_logprobs_num = {top!r} must be in [0, {vocab_size}] (the vocabulary size)"
+    ids = getattr(obj, "token_ids_logprob", None)
+    if ids is not None:
+        if not isinstance(ids, list | tuple):
+            return f"token_ids_logprob must be a list of token ids, got {type(ids).__name__}"
+        return _token_id_problem("token_ids_logprob", ids, vocab_size)
     return None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _hidden_states_problem(obj) -> str | None:
@@ -136,3 +159,80 @@ def refuse_bad_request(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
     if problem is not None:
         raise ValueError(problem)
     return None
+
+
+def empty_batch_problem(obj) -> str | None:
+    """An empty batch (`"text": []`, `"input_embeds": []` or `[[]]`), or None. Checked before SGLang sizes the batch:
+    it indexes the first embedding row (IndexError, a 500) and would send a batch of nothing to the scheduler.
+    (An empty `input_ids` SGLang refuses itself.)"""
+    for name in ("text", "input_embeds"):
+        value = getattr(obj, name, None)
+        if isinstance(value, list) and (not value or (name == "input_embeds" and not value[0])):
+            return f"{name} is an empty batch: give at least one prompt"
+    return None
+
+
+def refuse_empty_batch(obj, *args, **kwargs):
+    """BEFORE hook on GenerateReqInput._determine_batch_size: SGLang's ValueError (HTTP 400) naming the problem."""
+    problem = empty_batch_problem(obj)
+    if problem is not None:
+        raise ValueError(problem)
+    return None
+
+
+def json_type(value) -> str:
+    """JSON's name for the type of a parsed body: object, array, string, number, boolean or null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
+
+
+def body_problem(body, known: frozenset[str]) -> str | None:
+    """What is wrong with a parsed JSON request body whose endpoint takes the fields `known`, or None."""
+    if not isinstance(body, dict):
+        return f"the request body must be a JSON object, got {json_type(body)}: {json.dumps(body)[:80]}"
+    unknown = sorted(set(body) - known)
+    if unknown:
+        return (f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                "this endpoint does not take it (a misspelt parameter would otherwise be ignored)")
+    return None
+
+
+# The endpoints whose bodies refuse_bad_body checks, and the class that lists each one's fields.
+GUARDED_BODIES = {
+    "/generate": "sglang.srt.managers.io_struct.GenerateReqInput",
+    "/v1/completions": "sglang.srt.entrypoints.openai.protocol.CompletionRequest",
+    "/v1/chat/completions": "sglang.srt.entrypoints.openai.protocol.ChatCompletionRequest",
+}
+
+
+@cache
+def known_fields(path: str) -> frozenset[str] | None:
+    """The JSON fields the endpoint at `path` takes (a dataclass's fields, a pydantic model's fields and aliases), or
+    None for an endpoint refuse_bad_body leaves alone."""
+    import dataclasses
+    import importlib
+
+    target = GUARDED_BODIES.get(path)
+    if target is None:
+        return None
+    module, name = target.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    if dataclasses.is_dataclass(cls):
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    return frozenset(n for name, f in cls.model_fields.items() for n in (name, f.alias) if n)
+
+
+async def refuse_bad_body(original, request, *args, **kwargs):
+    """AROUND hook on the HTTP server's JSON parse (ORJSONRequest.json, which FastAPI calls before it validates the
+    body): a 400 naming the problem. FastAPI passes an HTTPException raised there through unchanged."""
+    body = await original(request, *args, **kwargs)
+    known = known_fields(request.url.path)
+    problem = body_problem(body, known) if known is not None else None
+    if problem is not None:
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=400, detail=problem)
+    return body

@@ -22,6 +22,8 @@ WORKER_TARGET = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSpar
 ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook._handle_dspark"
 VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 EXPAND_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput._handle_parallel_sampling"
+SIZE_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput._determine_batch_size"
+BODY_TARGET = "sglang.srt.entrypoints.http_server.ORJSONRequest.json"  # the HTTP server's JSON parse
 SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 # Live draft updates (weights.py): a DSpark draft folder sent to /update_weights_from_disk loads into the draft only,
 # and does not rename the served model.
@@ -61,7 +63,7 @@ def load() -> None:
 
     from dspark_sgl.sglang.args import allow_block_verification_off_cuda, handle_dspark_args
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
-    from dspark_sgl.sglang.guard import refuse_bad_batch, refuse_bad_request
+    from dspark_sgl.sglang.guard import refuse_bad_batch, refuse_bad_body, refuse_bad_request, refuse_empty_batch
     from dspark_sgl.sglang.sampling import refuse_unsupported_request
     from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
@@ -72,6 +74,8 @@ def load() -> None:
     HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
     HookRegistry.register(VALIDATE_TARGET, refuse_bad_request, HookType.BEFORE)  # every server: guard.py
     HookRegistry.register(EXPAND_TARGET, refuse_bad_batch, HookType.BEFORE)  # every server: guard.py
+    HookRegistry.register(SIZE_TARGET, refuse_empty_batch, HookType.BEFORE)  # every server: guard.py
+    HookRegistry.register(BODY_TARGET, refuse_bad_body, HookType.AROUND)  # every server: guard.py
     HookRegistry.register(VALIDATE_TARGET, refuse_unsupported_request, HookType.BEFORE)  # DSPARK servers only
     if _has_builtin_dspark():
         HookRegistry.register(WORKER_TARGET, DSparkWorker, HookType.REPLACE)
