@@ -254,7 +254,7 @@ def main(argv=None) -> None:
         return
     from dspark_sgl.provenance import provenance
 
-    results = []
+    results, load_start = [], os.getloadavg()  # a shared machine: say how busy it was
     for dtype in args.dtypes:
         cmd = [sys.executable, __file__, "--one-dtype", dtype, "--prompt-len", str(args.prompt_len), "--repeats",
                str(args.repeats), "--batch", *map(str, args.batch), "--widths", *map(str, args.widths)]
@@ -272,7 +272,8 @@ def main(argv=None) -> None:
     out = {"provenance": provenance(target="SmolLM2-135M-Instruct", dtypes=args.dtypes, batch=args.batch,
                                     widths=args.widths, prompt_len=args.prompt_len, repeats=args.repeats,
                                     omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-                                    packed_linear=os.environ.get("DSPARK_SGL_PACKED_LINEAR", "default")),
+                                    packed_linear=os.environ.get("DSPARK_SGL_PACKED_LINEAR", "default"),
+                                    load_avg_start=load_start, load_avg_end=os.getloadavg()),
            "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

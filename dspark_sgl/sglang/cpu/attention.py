@@ -95,7 +95,8 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, s
 
 def _batched(layer, forward_batch) -> bool:
     """What `window_attention` covers: causal decoder self-attention without encoder tokens, sliding window or logit
-    cap. Everything else stays on SGLang's own path."""
+    cap, with value and key heads of one size (MLA's latent attention keeps SGLang's path). Everything else stays on
+    SGLang's own path."""
     from sglang.srt.layers.radix_attention import AttentionType
 
     window = getattr(layer, "sliding_window_size", None)
@@ -103,7 +104,8 @@ def _batched(layer, forward_batch) -> bool:
                getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY,
                window is not None and window > -1,
                (getattr(layer, "logit_cap", 0) or 0) > 0,
-               getattr(forward_batch, "encoder_lens", None) is not None)
+               getattr(forward_batch, "encoder_lens", None) is not None,
+               getattr(layer, "qk_head_dim", None) != getattr(layer, "v_head_dim", None))
     return not any(special)
 
 
