@@ -15,7 +15,7 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo quick-demo test lint test-sglang test-slow test-first-run
+.PHONY: install demo quick-demo test lint test-sglang test-slow test-first-run test-planted
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -46,7 +46,14 @@ test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 $(SGL_VENV)/bin/python -m pytest -q -m sglang_inprocess tests/test_sglang_cpu_shims.py
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -q -m sglang tests/
+		$(BIN)/python -m pytest -q -m 'sglang and not planted' tests/
+
+# The served planted-bug checks (tests/test_sglang_planted.py): one SGLang server per planted bug, ~30 min on a
+# loaded 2-core box (docs/testing.md), so not inside test-sglang's budget. The in-process ones run in `make test`.
+test-planted: install
+	bash .ci/install_sglang.sh $(SGL_VENV)
+	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -m 'sglang and planted' tests/test_sglang_planted.py
 
 # Every other slow test: the newcomer's first run (2 ranks of the README recipe from an empty $HOME /
 # $XDG_CACHE_HOME), the 2-node loopback trainer (kills and exact resume), the trainer's rank/kill/resume and

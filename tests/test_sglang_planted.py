@@ -9,9 +9,12 @@ tests, so a wrong context write or Markov order changes the accept counts. The c
     accept_hist  - T = 0, static schedule: each request's output AND per-step accepted-count histogram equal the
                    reference engine's (dspark_sgl.speculative.engine) on the same target and draft
     stale        - after a live swap (/update_weights_from_disk, same folder) a request whose radix-cached prefix
-                   holds the old epoch's context verifies the anchor alone: 0 drafts accepted
-    chi-square   - the joint of the first 3 sampled tokens (penalties; top-p 0.8; T = 1 through the d2t path) vs the
-                   exact enumeration with the shared definition, p > 1e-4 as in test_sglang_sampling.py
+                   (held by a running request) has the old epoch's context verifies the anchor alone: 0 accepted
+    penalties    - T = 0 with strong repetition/frequency/presence penalties: token-identical to the exact definition
+                   (test_sglang_sampling.exact_greedy). At 3,000 served samples on this target a chi-square did not
+                   catch penalty_drafts (p = 0.37); tests/test_faults.py's chi-square does (power 1.0)
+    chi-square   - the joint of the first 3 sampled tokens (top-p 0.8; T = 1 through the d2t path) vs the exact
+                   enumeration with the shared definition, p > 1e-4 as in test_sglang_sampling.py
     seed         - a seeded request repeats its output alone and in a crowd (given the same prefill token)
     hybrid       - (hybrid_commit) the Kimi-Linear hybrid's greedy output equals plain SGLang's; the clean side of this
                    one is tests/test_sglang_hybrid.py::test_static_full_window_commits_are_exact
@@ -24,7 +27,9 @@ Run: DSPARK_SGL_VENV=... DSPARK_REQUIRE_SGLANG=1 pytest -m planted tests/test_sg
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,24 +40,24 @@ from dspark_testkit import Server, build_random_draft, build_tiny_target  # noqa
 
 from dspark_sgl.faults import ENV  # noqa: E402
 from tests.test_sampling import chi2_pvalue  # noqa: E402
-from tests.test_sglang_sampling import PROMPT, PROMPTS, counts, exact_joint, generate  # noqa: E402
+from tests.test_sglang_sampling import PROMPT, PROMPTS, counts, exact_greedy, exact_joint, generate  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.planted, pytest.mark.timeout(1800)]
 
 V, GAMMA, MAX_NEW = 8, 3, 24
 DRAFT_VOCAB = [1, 2, 3, 4, 5, 6, 7]  # token 0 is outside: the d2t map is not the identity
 ALPHA = 1e-4  # test_sglang_sampling.py's threshold
+PENALTIES = dict(repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0)
 SAMPLED = {  # check -> (sampling params, served samples)
-    "penalties": (dict(temperature=1.0, repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0), 3000),
     "top_p": (dict(temperature=1.0, top_p=0.8), 3000),
     "d2t": (dict(temperature=1.0), 3000),
 }
 SEED_PARAMS = dict(temperature=1.0, sampling_seed=4321)
 PLANT_PROBE = {  # planted bug -> the probe (and check) that must catch it
     "verify_limit": "accept_hist", "context_keep": "accept_hist", "markov_prev": "accept_hist", "stale_cap": "stale",
-    "penalty_drafts": "penalties", "top_p_boundary": "top_p", "d2t_sampled": "d2t", "seed": "seed",
+    "penalty_drafts": "greedy_penalties", "top_p_boundary": "top_p", "d2t_sampled": "d2t", "seed": "seed",
 }
-PORTS = iter(range(32600, 32700))
+PORTS = iter(range(int(os.environ.get("DSPARK_TEST_PORT", "32600")), 65536))
 COST: dict[str, float] = {}
 
 
@@ -85,13 +90,9 @@ def probe(server: Server, name: str, draft: Path) -> dict:
         return {"outputs": [o["output_ids"] for o in outs],
                 "hists": [o["meta_info"]["spec_correct_drafts_histogram"] for o in outs]}
     if name == "stale":
-        first = server.generate([PROMPTS[0]], MAX_NEW, ignore_eos=True)[0]  # its slots go to the radix cache
-        # a new epoch: that context is stale (flush_cache off, so the radix cache keeps serving those slots)
-        server.post("/update_weights_from_disk", {"model_path": str(draft), "flush_cache": False})
-        again = server.generate([PROMPTS[0]], MAX_NEW, ignore_eos=True)[0]
-        info = server.get("/server_info")["internal_states"][0]["dspark_info_record"]["draft_update"]
-        return {"hist_before": first["meta_info"]["spec_correct_drafts_histogram"],
-                "hist_after": again["meta_info"]["spec_correct_drafts_histogram"], "stale_rows": info["stale_rows"]}
+        return stale_probe(server, draft)
+    if name == "greedy_penalties":
+        return {"outputs": generate(server, PROMPTS, [{"temperature": 0.0, **PENALTIES}] * len(PROMPTS), MAX_NEW)}
     if name in SAMPLED:
         params, n = SAMPLED[name]
         return {"samples": generate(server, [PROMPT] * n, [params] * n, 3)}
@@ -103,6 +104,29 @@ def probe(server: Server, name: str, draft: Path) -> dict:
     raise KeyError(name)
 
 
+def info(server: Server) -> dict:
+    return server.get("/server_info")["internal_states"][0]["dspark_info_record"]
+
+
+def stale_probe(server: Server, draft: Path) -> dict:
+    """A long request holds PROMPTS[0]'s prefix in the radix cache (evict_unused_prefixes keeps what a running
+    request holds); once it is decoding (the server's decode-step counter moves: no sleep as synchronisation), a
+    live swap (same folder) makes that context stale, and a second request on the same prompt reuses it: it must
+    verify the anchor alone, step after step."""
+    long = threading.Thread(target=server.generate, args=([PROMPTS[0]], 480), kwargs={"ignore_eos": True})
+    steps = info(server)["decode_steps"]
+    long.start()
+    deadline = time.time() + 120
+    while info(server)["decode_steps"] < steps + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    server.post("/update_weights_from_disk", {"model_path": str(draft)})
+    again = server.generate([PROMPTS[0]], MAX_NEW, ignore_eos=True)[0]
+    server.post("/abort_request", {"abort_all": True})
+    long.join(timeout=300)
+    return {"hist": again["meta_info"]["spec_correct_drafts_histogram"],
+            "stale_rows": info(server)["draft_update"]["stale_rows"]}
+
+
 def check(name: str, got: dict, target: Path, reference: dict) -> tuple[bool, str]:
     """(passed, detail) of one served check on a probe's results."""
     if name == "accept_hist":
@@ -111,10 +135,14 @@ def check(name: str, got: dict, target: Path, reference: dict) -> tuple[bool, st
                 for g, r in zip(got["hists"], reference["hists"], strict=True)]
         return same_out and all(same), f"outputs equal {same_out}, histograms equal {sum(same)}/{len(same)}"
     if name == "stale":
-        accepted = sum(c * n for c, n in enumerate(got["hist_after"]))
-        before = sum(c * n for c, n in enumerate(got["hist_before"]))
-        return accepted == 0 and before > 0 and got["stale_rows"] > 0, (
-            f"drafts accepted before the swap {before}, after {accepted}; stale request-steps {got['stale_rows']}")
+        accepted = sum(c * n for c, n in enumerate(got["hist"]))
+        return accepted == 0 and got["stale_rows"] > 0, (
+            f"drafts accepted by the request on stale context {accepted} in {sum(got['hist'])} steps; "
+            f"stale request-steps {got['stale_rows']}")
+    if name == "greedy_penalties":
+        exact = exact_greedy(target, {"temperature": 0.0, **PENALTIES}, MAX_NEW)
+        same = [o == e for o, e in zip(got["outputs"], exact, strict=True)]
+        return all(same), f"= the exact definition {sum(same)}/{len(same)}"
     if name in SAMPLED:
         p = chi2_pvalue(counts(got["samples"]), exact_joint(target, SAMPLED[name][0]))
         return p > ALPHA, f"p = {p:.3g}"
@@ -137,12 +165,13 @@ def serve(target: Path, draft: Path, plant: str | None) -> Server:
 def clean(target, reference) -> dict:
     t0 = time.perf_counter()
     with serve(target, reference["draft"], None) as s:
-        res = {name: probe(s, name, reference["draft"]) for name in ["accept_hist", "seed", "stale", *SAMPLED]}
+        res = {name: probe(s, name, reference["draft"]) for name in ["accept_hist", "seed", "stale", "greedy_penalties",
+                                                             *SAMPLED]}
     COST["clean"] = time.perf_counter() - t0
     return res
 
 
-@pytest.mark.parametrize("name", ["accept_hist", "stale", "seed", *SAMPLED])
+@pytest.mark.parametrize("name", ["accept_hist", "stale", "seed", "greedy_penalties", *SAMPLED])
 def test_the_clean_server_passes(clean, target, reference, name):
     ok, detail = check(name, clean[name], target, reference)
     print(f"clean {name}: {detail}")
