@@ -15,7 +15,8 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install -q --no-deps $(NO_DEPS) $(TEST_NO_DEPS)
 	touch $@
 
-.PHONY: install demo quick-demo test lint test-sglang test-slow test-first-run test-planted
+
+.PHONY: install demo quick-demo serve test lint test-sglang test-slow test-first-run test-planted
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -29,6 +30,17 @@ demo: install
 quick-demo: install
 	$(BIN)/dspark init-draft --target smollm2 --out out/draft-random
 	$(BIN)/dspark generate --target smollm2 --draft out/draft-random --chat "What is 7 times 8? Explain briefly." --max-new-tokens 64
+
+# Serve the recipe's draft (make demo trains it) with real SGLang 0.5.23, OpenAI-compatible on 127.0.0.1:30000: SGLang
+# is installed the lean CPU way (CPU torch, no CUDA) into its own venv on first use. SERVE_DRAFT=DIR serves another
+# draft; SERVE_ARGS go to `dspark serve` (e.g. SERVE_ARGS="--port 30001").
+SERVE_DRAFT ?= $(DEMO_RUN)/draft
+serve: install
+	@test -f $(SERVE_DRAFT)/config.json || { echo "make serve: no trained draft at $(SERVE_DRAFT): train one with" \
+		"'make demo' (about 46 min on 2 cores), or name one with SERVE_DRAFT=DIR, or serve without speculation:" \
+		"$(BIN)/dspark serve --no-draft --python $(SGL_VENV)/bin/python"; exit 1; }
+	bash .ci/install_sglang.sh $(SGL_VENV)
+	$(BIN)/dspark serve --python $(SGL_VENV)/bin/python --draft $(SERVE_DRAFT) $(SERVE_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -153,6 +153,13 @@ try:  # the whole request, before SGLang expands it into one request per sample
     GenerateReqInput(input_ids=[5], sampling_params={"n": 129}).normalize_batch_and_arguments()
 except ValueError as e:
     print("expansion refused:", e)
+try:  # an empty batch, before SGLang sizes it
+    GenerateReqInput(text=[], sampling_params={}).normalize_batch_and_arguments()
+except ValueError as e:
+    print("empty batch refused:", e)
+from dspark_sgl.sglang.guard import GUARDED_BODIES, known_fields
+print("fields:", sorted(p for p in GUARDED_BODIES if "stream" in known_fields(p) and len(known_fields(p)) > 20))
+print("body hook:", plugin.BODY_TARGET in plugins.HookRegistry._patched)
 """
 
 
@@ -168,3 +175,7 @@ def test_the_request_guard_covers_every_speculative_algorithm():
         assert f"{algo} refused: input_ids[1] = 100 is out of range: token ids must be in [0, 100)" in res.stdout, \
             res.stdout
     assert "expansion refused: n = 129 must be an integer in [1, 128]" in res.stdout, res.stdout
+    assert "empty batch refused: text is an empty batch" in res.stdout, res.stdout
+    # the JSON-body check (non-object bodies, unknown fields) knows each guarded endpoint's fields, hooked in place
+    assert "fields: ['/generate', '/v1/chat/completions', '/v1/completions']" in res.stdout, res.stdout
+    assert "body hook: True" in res.stdout, res.stdout

@@ -144,10 +144,21 @@ class DSparkWorker(BaseSpecWorker):
         self._stale_rows = 0
         info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
+        info["pools"] = self.pool_counts()
         if self.traffic is not None:
             self.traffic.sweep()
             info["traffic"] = self.traffic.info()
         return info
+
+    def pool_counts(self) -> dict:
+        """Free and total KV tokens (SGLang's allocator; our draft context and slot tokens live at the same slot ids)
+        and request slots (the rows of req_to_token through which the draft context is gathered): once the load has
+        drained and the radix cache is flushed, both free counts must be back at their idle values, or a slot leaked
+        (benchmarks/soak.py checks it)."""
+        alloc, reqs = self.model_runner.token_to_kv_pool_allocator, self.model_runner.req_to_token_pool
+        return {"kv_free_tokens": int(alloc.available_size()), "kv_tokens": int(alloc.size),
+                "context_slots": self.context.num_slots, "req_slots_free": int(reqs.available_size()),
+                "req_slots": int(reqs.size)}
 
     def clear_info_records(self) -> None:
         self.planner.clear()
