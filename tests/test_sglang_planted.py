@@ -111,15 +111,17 @@ def info(server: Server) -> dict:
 def stale_probe(server: Server, draft: Path) -> dict:
     """A long request holds PROMPTS[0]'s prefix in the radix cache (evict_unused_prefixes keeps what a running
     request holds); once it is decoding (the server's decode-step counter moves: no sleep as synchronisation), a
-    live swap (same folder) makes that context stale, and a second request on the same prompt reuses it: it must
-    verify the anchor alone, step after step."""
+    live swap (same folder) inside /pause_generation (in place) .. /continue_generation makes that context stale,
+    and a second request on the same prompt reuses it: it must verify the anchor alone, step after step."""
     long = threading.Thread(target=server.generate, args=([PROMPTS[0]], 480), kwargs={"ignore_eos": True})
     steps = info(server)["decode_steps"]
     long.start()
     deadline = time.time() + 120
     while info(server)["decode_steps"] < steps + 3 and time.time() < deadline:
         time.sleep(0.05)
+    server.post("/pause_generation", {"mode": "in_place"})  # else the update waits for the running request to end
     server.post("/update_weights_from_disk", {"model_path": str(draft)})
+    server.post("/continue_generation", {})
     again = server.generate([PROMPTS[0]], MAX_NEW, ignore_eos=True)[0]
     server.post("/abort_request", {"abort_all": True})
     long.join(timeout=300)
