@@ -60,8 +60,8 @@ test-sglang: install
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q -m 'sglang and not planted' tests/
 
-# The served planted-bug checks (tests/test_sglang_planted.py): one SGLang server per planted bug, ~30 min on a
-# loaded 2-core box (docs/testing.md), so not inside test-sglang's budget. The in-process ones run in `make test`.
+# The served planted-bug checks (tests/test_sglang_planted.py): one SGLang server per planted bug (~32 min on a loaded
+# 2-core box, docs/testing.md), a CI stage of its own after test-slow. The in-process ones run in `make test`.
 test-planted: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
