@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_sgl.config import DSparkConfig
+from dspark_sgl.model import DSparkDraft
 from dspark_sgl.targets import HFTarget
 
 
@@ -45,6 +46,19 @@ def draft_config_for(target: HFTarget, **over) -> DSparkConfig:
               mask_token_id=target.vocab_size - 1, markov_rank=8, block_size=4)
     kw.update(over)
     return DSparkConfig(**kw)
+
+
+def tiny_with_random_draft(vocab: int = 6):
+    """A V-token target and a block-3 draft with every weight N(0, 0.5): its drafts are often accepted and often
+    rejected, which is what the distribution tests (chi-square over three tokens) need."""
+    model = tiny_llama(vocab=vocab, hidden=16, layers=2, seed=3, embed_std=2.0)
+    target = HFTarget(model, [0, 1])
+    torch.manual_seed(0)
+    draft = DSparkDraft(draft_config_for(target, block_size=3, markov_rank=4))
+    with torch.no_grad():
+        for prm in draft.parameters():
+            prm.normal_(0, 0.5)
+    return model, target, draft
 
 
 @pytest.fixture

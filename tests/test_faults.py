@@ -24,7 +24,7 @@ from dspark_sgl.speculative.markov import rollout
 from dspark_sgl.speculative.target_dist import RequestSampling
 from dspark_sgl.targets import HFTarget
 from dspark_sgl.targets.hf import TargetKV
-from tests.conftest import draft_config_for, tiny_llama
+from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, pairs_from
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
@@ -66,14 +66,7 @@ def test_the_env_var_is_read_at_import():
 # ---- the checks ------------------------------------------------------------------------------------------------
 def tiny3():
     """V = 6 target and a random draft (weights N(0, 0.5)): drafts often accepted, often rejected."""
-    model = tiny_llama(vocab=V3, hidden=16, layers=2, seed=3, embed_std=2.0)
-    target = HFTarget(model, [0, 1])
-    torch.manual_seed(0)
-    draft = DSparkDraft(draft_config_for(target, block_size=3, markov_rank=4))
-    with torch.no_grad():
-        for prm in draft.parameters():
-            prm.normal_(0, 0.5)
-    return model, target, draft
+    return tiny_with_random_draft(V3)
 
 
 def three_token_counts(out) -> torch.Tensor:

@@ -9,12 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark_sgl.model import DSparkDraft
 from dspark_sgl.speculative.accept import ACCEPT_RULES, _residual
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.sampling import sample, target_probs
-from dspark_sgl.targets import HFTarget
-from tests.conftest import draft_config_for, tiny_llama
+from tests.conftest import tiny_with_random_draft
 
 
 def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -125,13 +123,7 @@ def exact_three_token_distribution(model, prompt, temperature, top_p, V):
     ("rejection", 1.0, True), ("block", 0.8, True)])
 def test_engine_samples_equal_the_target_distribution(acceptance, top_p, scheduled):
     V = 6
-    model = tiny_llama(vocab=V, hidden=16, layers=2, seed=3, embed_std=2.0)
-    target = HFTarget(model, [0, 1])
-    torch.manual_seed(0)
-    draft = DSparkDraft(draft_config_for(target, block_size=3, markov_rank=4))
-    with torch.no_grad():
-        for prm in draft.parameters():
-            prm.normal_(0, 0.5)
+    model, target, draft = tiny_with_random_draft(V)
     prompt, n = [1, 2, 3], 6000
     exact = exact_three_token_distribution(model, prompt, 1.0, top_p, V)
     planner = None

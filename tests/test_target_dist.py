@@ -5,11 +5,9 @@ a planted bug that must fail)."""
 import pytest
 import torch
 
-from dspark_sgl.model import DSparkDraft
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, target_dist
-from dspark_sgl.targets import HFTarget
-from tests.conftest import draft_config_for, tiny_llama
+from tests.conftest import tiny_with_random_draft
 from tests.test_sampling import chi2_pvalue
 
 
@@ -86,14 +84,7 @@ PARAMS = {
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_llama(vocab=V, hidden=16, layers=2, seed=3, embed_std=2.0)
-    target = HFTarget(model, [0, 1])
-    torch.manual_seed(0)
-    draft = DSparkDraft(draft_config_for(target, block_size=3, markov_rank=4))
-    with torch.no_grad():
-        for prm in draft.parameters():
-            prm.normal_(0, 0.5)
-    return model, target, draft
+    return tiny_with_random_draft(V)
 
 
 def exact_joint(model, req: RequestSampling) -> torch.Tensor:

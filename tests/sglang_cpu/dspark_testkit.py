@@ -199,6 +199,20 @@ def bigram_table(sequences: list[list[int]]) -> dict[int, int]:
     return {a: min(c, key=lambda t: (-c[t], t)) for a, c in counts.items()}
 
 
+def draft_fields_for(target_dir: Path, block_size: int, **more) -> dict:
+    """A one-layer draft's config fields shaped like the target's layers (heads, head_dim, norm eps, rope theta)."""
+    from dspark_sgl.config import default_target_layer_ids
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    return dict(
+        hidden_size=t["hidden_size"], num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], head_dim=t.get("head_dim") or t["hidden_size"] // t[
+            "num_attention_heads"], intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
+        rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        block_size=block_size, target_layer_ids=default_target_layer_ids(t["num_hidden_layers"], 3),
+        num_target_layers=t["num_hidden_layers"], mask_token_id=0, **more)
+
+
 def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Path, block_size: int = 7,
                        scale: float = 30.0, seed: int = 0, final_norm: float = 1e-3, **overrides) -> Path:
     """A DSpark draft whose Markov head is the bigram table of `sequences` (e.g. the target's own greedy outputs).
@@ -213,21 +227,13 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
     """
     import torch
 
-    from dspark_sgl.config import DSparkConfig, default_target_layer_ids
+    from dspark_sgl.config import DSparkConfig
     from dspark_sgl.model.checkpoint import save_draft
     from dspark_sgl.model.draft import DSparkDraft
 
-    t = json.loads((Path(target_dir) / "config.json").read_text())
     table = bigram_table(sequences)
     prevs = sorted(table)
-    fields = dict(
-        hidden_size=t["hidden_size"], num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"], head_dim=t.get("head_dim") or t["hidden_size"] // t[
-            "num_attention_heads"], intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
-        rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        block_size=block_size, target_layer_ids=default_target_layer_ids(t["num_hidden_layers"], 3),
-        num_target_layers=t["num_hidden_layers"], mask_token_id=0, markov_rank=max(len(prevs), 8),
-    )
+    fields = draft_fields_for(target_dir, block_size, markov_rank=max(len(prevs), 8))
     fields.update(overrides)
     config = DSparkConfig(**fields)
     torch.manual_seed(seed)
@@ -259,21 +265,13 @@ def build_random_draft(target_dir: Path, out_dir: Path, block_size: int = 3, see
     `scale` (comparable to the random base logits), so long runs are accepted too and the previous token matters."""
     import torch
 
-    from dspark_sgl.config import DSparkConfig, default_target_layer_ids
+    from dspark_sgl.config import DSparkConfig
     from dspark_sgl.model.checkpoint import save_draft
     from dspark_sgl.model.draft import DSparkDraft
 
-    t = json.loads((Path(target_dir) / "config.json").read_text())
     table = bigram_table(sequences or [])
-    fields = dict(
-        hidden_size=t["hidden_size"], num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"], head_dim=t.get("head_dim") or t["hidden_size"] // t[
-            "num_attention_heads"], intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
-        rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        block_size=block_size, target_layer_ids=default_target_layer_ids(t["num_hidden_layers"], 3),
-        num_target_layers=t["num_hidden_layers"], mask_token_id=0, markov_rank=max(len(table), 8),
-        draft_vocab_size=len(draft_vocab) if draft_vocab else None,
-    )
+    fields = draft_fields_for(target_dir, block_size, markov_rank=max(len(table), 8),
+                              draft_vocab_size=len(draft_vocab) if draft_vocab else None)
     fields.update(overrides)
     torch.manual_seed(seed)
     draft = DSparkDraft(DSparkConfig(**fields))
@@ -282,7 +280,7 @@ def build_random_draft(target_dir: Path, out_dir: Path, block_size: int = 3, see
             prm.normal_(0, std)
     if draft_vocab:
         draft.set_vocab(torch.tensor(draft_vocab))
-    ids = (draft.vocab if draft_vocab else torch.arange(t["vocab_size"])).tolist()
+    ids = (draft.vocab if draft_vocab else torch.arange(fields["vocab_size"])).tolist()
     head = draft.markov_head
     with torch.no_grad():
         for j, prev in enumerate(sorted(table)):
