@@ -349,6 +349,8 @@ def serve(
     draft_dtype: Annotated[str | None, typer.Option(help="Draft dtype (default: the target's; auto, bfloat16, ...); "
                                                          "lossless either way: only the target decides.")] = None,
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
+    draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
+                                                         "(symlinks resolved).")] = None,
     host: str = "127.0.0.1",
     port: int = 30000,
     python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
@@ -361,7 +363,7 @@ def serve(
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
         cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype)
+                          draft_dtype=draft_dtype, draft_root=draft_root)
         if python is not None:
             cfg.python = python
         cmd, env = prepare(cfg)

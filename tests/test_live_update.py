@@ -19,7 +19,13 @@ from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.sglang.traffic import TrafficConfig, TrafficRecorder
-from dspark_sgl.sglang.weights import DraftUpdater, is_draft_folder, named_tensors
+from dspark_sgl.sglang.weights import (
+    DraftUpdater,
+    UpdateRefused,
+    inside_draft_root,
+    is_draft_folder,
+    named_tensors,
+)
 from dspark_sgl.speculative.sps import SpsTable
 from tests.conftest import tiny_draft_config
 from training.data import read_cache
@@ -198,6 +204,55 @@ def test_planner_takes_the_release_sts_and_keeps_a_measured_sps():
     p.use_release([1.0, 1.1, 1.2, 1.3], SpsTable([1, 2], [9.0, 8.0]))
     assert p.temperatures.tolist() == [1.0, 1.1, 1.2, 1.3] and p.sps.tokens == [1, 2]
     assert not p.needs_profile(8)
+
+
+@pytest.fixture
+def root_and_outside(tmp_path):
+    root, outside = tmp_path / "drafts", tmp_path / "elsewhere"
+    for d in (root / "v2", outside / "evil"):
+        d.mkdir(parents=True)
+    return root, outside
+
+
+def test_a_draft_inside_the_root_is_returned_resolved(root_and_outside):
+    root, _ = root_and_outside
+    (root / "latest").symlink_to(root / "v2")  # a link that stays inside is fine
+    assert inside_draft_root(root / "v2", root) == (root / "v2").resolve()
+    assert inside_draft_root(root / "latest", root) == (root / "v2").resolve()
+    assert inside_draft_root(root / "v2" / ".." / "v2", root) == (root / "v2").resolve()
+
+
+@pytest.mark.parametrize("make_path, message", [
+    (lambda root, out: out / "evil", "outside the draft root"),
+    (lambda root, out: root / ".." / "elsewhere" / "evil", "outside the draft root"),
+    (lambda root, out: root / "missing", "does not exist"),
+])
+def test_a_draft_outside_the_root_or_missing_is_refused(root_and_outside, make_path, message):
+    root, outside = root_and_outside
+    with pytest.raises(UpdateRefused, match=message):
+        inside_draft_root(make_path(root, outside), root)
+
+
+def test_a_symlink_inside_the_root_pointing_out_is_refused(root_and_outside):
+    """The path is judged by where it leads: a link planted in the root cannot smuggle another folder in."""
+    root, outside = root_and_outside
+    (root / "link").symlink_to(outside / "evil")
+    (root / "v2" / "up").symlink_to(root.parent)
+    for path in (root / "link", root / "v2" / "up" / "elsewhere" / "evil"):
+        with pytest.raises(UpdateRefused, match=f"resolves to {outside / 'evil'}, outside the draft root"):
+            inside_draft_root(path, root)
+
+
+def test_a_sibling_sharing_the_roots_name_prefix_is_outside(root_and_outside):
+    root, _ = root_and_outside
+    (root.parent / "drafts-old").mkdir()
+    with pytest.raises(UpdateRefused, match="outside the draft root"):
+        inside_draft_root(root.parent / "drafts-old", root)
+
+
+def test_a_missing_root_is_named(tmp_path):
+    with pytest.raises(UpdateRefused, match=r"the draft root .*nowhere \(dspark_draft_root\) does not exist"):
+        inside_draft_root(tmp_path, tmp_path / "nowhere")
 
 
 def _req(prompt, out, finished=True, rid="r", reason=None):

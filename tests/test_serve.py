@@ -164,3 +164,18 @@ def test_cli_prints_the_exposure_warning_before_starting(folders, monkeypatch):
     res = runner.invoke(cli.app, ["serve", "--target", str(target), "--no-draft", "--host", "0.0.0.0",
                                   "--admin-api-key", "k"])
     assert res.exit_code == 0 and "without --admin-api-key" not in res.output
+
+
+def test_draft_root_travels_resolved_in_the_override_args(folders, monkeypatch, tmp_path):
+    import json
+
+    target, draft = folders
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    (tmp_path / "drafts").mkdir()
+    monkeypatch.chdir(tmp_path)
+    user = ["--json-model-override-args", json.dumps({"dspark_traffic": {"dir": "/tmp/t"}})]
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, draft_root=Path("drafts"), extra=user))
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_traffic": {"dir": "/tmp/t"},
+                                                                     "dspark_draft_root": str(tmp_path / "drafts")}
+    with pytest.raises(serve.ServeError, match="--draft-root 'nowhere' is not a folder"):
+        serve.prepare(serve.ServeConfig(target, draft, draft_root=Path("nowhere")))

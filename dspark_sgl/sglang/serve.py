@@ -40,6 +40,7 @@ class ServeConfig:
     python: Path = field(default_factory=lambda: Path(sys.executable))
     extra: list[str] = field(default_factory=list)  # passed to SGLang verbatim, last
     draft_dtype: str | None = None  # None: the target's; a bf16 draft beside an fp32 target stays lossless
+    draft_root: Path | None = None  # None: disk updates may load any folder; else only folders inside this one
 
     def validate(self) -> None:
         if self.device not in DEVICES:
@@ -50,6 +51,8 @@ class ServeConfig:
             raise ServeError(f"--draft-dtype must be one of {DTYPE_NAMES}, got {self.draft_dtype!r}")
         if self.draft_dtype is not None and self.draft is None:
             raise ServeError("--draft-dtype needs --draft")
+        if self.draft_root is not None and not self.draft_root.is_dir():
+            raise ServeError(f"--draft-root {str(self.draft_root)!r} is not a folder")
         if not 0 < self.port < 65536:
             raise ServeError(f"--port must be in 1..65535, got {self.port}")
         if not self.python.is_file():
@@ -70,15 +73,20 @@ def server_args(cfg: ServeConfig) -> list[str]:
         args += CPU_SERVER_ARGS
     if cfg.draft is not None:
         args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(cfg.draft.resolve())]
+    ours = {}  # what the worker and plugin read from the override args, merged with the user's own
+    if cfg.draft_dtype is not None:
+        ours["dspark_draft_dtype"] = cfg.draft_dtype
+    if cfg.draft_root is not None:
+        ours["dspark_draft_root"] = str(cfg.draft_root.resolve())
     extra = list(cfg.extra)
-    if cfg.draft_dtype is not None:  # the worker reads it from the override args (merged with the user's own)
+    if ours:
         flag = "--json-model-override-args"
         at = extra.index(flag) + 1 if flag in extra else None
         try:
             override = json.loads(extra[at]) if at is not None else {}
         except (json.JSONDecodeError, IndexError) as e:
             raise ServeError(f"{flag} must be one JSON object: {e}") from None
-        override["dspark_draft_dtype"] = cfg.draft_dtype
+        override.update(ours)
         if at is None:
             args += [flag, json.dumps(override)]
         else:

@@ -22,6 +22,10 @@ temperatures and an SPS table travel with the draft: the folder's config/sts.jso
 `dspark_meta.sps` tensors. Without an SPS table the engine keeps the one it measured (SPS is a property of the target
 and hardware); without STS the new draft's raw confidences are used (the old temperatures were fitted to the old
 draft). The release version/step (`publish.json` in the folder, or `dspark_meta.release`) shows in `/server_info`.
+
+An operator may confine disk updates to one folder: `--json-model-override-args '{"dspark_draft_root": DIR}'`
+(`dspark serve --draft-root DIR`). The admin key decides who may push an update; the root decides what the server
+may read for one, so a leaked key (or a mistyped path) cannot make it load whatever folder the server can see.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ META = "dspark_meta."  # tensor-name prefix of the non-weight parts of an update
 RELEASE_FILE = "publish.json"  # {"version": ..., "step": ...} written by training/publish.py
 SPS_FILE = "sps.json"
 TARGET_CHANGED = "target weights changed"
+DRAFT_ROOT_KEY = "dspark_draft_root"  # in --json-model-override-args; `dspark serve --draft-root` sets it
 
 
 class UpdateRefused(ValueError):
@@ -127,6 +132,33 @@ def read_folder(serving: DSparkDraft, path: str | Path) -> Release:
     sps = SpsTable.load(folder / SPS_FILE) if (folder / SPS_FILE).exists() else None
     rel = json.loads((folder / RELEASE_FILE).read_text()) if (folder / RELEASE_FILE).exists() else {}
     return build_release(serving, config, state, sts, sps, rel.get("version"), rel.get("step"), f"disk:{folder}")
+
+
+def inside_draft_root(path: str | Path, root: str | Path) -> Path:
+    """The update folder with every symlink and `..` resolved, if it lies inside `root`; else UpdateRefused.
+
+    Resolving first (strict: the folder must exist) is what makes the check hold: a link inside the root that
+    points out of it, or a `root/../elsewhere`, is judged by where it really leads. The caller loads the resolved
+    path, so the folder judged is the folder read."""
+    try:
+        real_root = Path(root).resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        raise UpdateRefused(f"the draft root {root} ({DRAFT_ROOT_KEY}) does not exist: {e}") from None
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError) as e:  # missing, unreadable, or a symlink loop
+        raise UpdateRefused(f"update path {path} does not exist or cannot be resolved: {e}") from None
+    if not real.is_relative_to(real_root):
+        raise UpdateRefused(f"update path {path} resolves to {real}, outside the draft root {real_root} "
+                            f"({DRAFT_ROOT_KEY}); only folders inside it may be loaded")
+    return real
+
+
+def draft_root() -> str | None:
+    """The operator's draft root from the server's --json-model-override-args (None: disk updates unconfined)."""
+    from sglang.srt.runtime_context import get_model
+
+    return json.loads(get_model().json_model_override_args or "{}").get(DRAFT_ROOT_KEY)
 
 
 def is_draft_folder(path: str | Path) -> bool:
@@ -312,11 +344,22 @@ class DraftRunner:
 
 # ---- plugin hooks (sglang imported lazily) -----------------------------------------------------------------
 def route_disk_update(original, manager, recv_req):
-    """AROUND SchedulerWeightUpdaterManager.update_weights_from_disk: a DSpark draft folder goes to the draft only."""
-    if not is_draft_folder(recv_req.model_path):
-        return original(manager, recv_req)
+    """AROUND SchedulerWeightUpdaterManager.update_weights_from_disk: a DSpark draft folder goes to the draft only.
+
+    With a draft root set, every disk update (draft or target) must come from inside it; a refusal is SGLang's 400
+    and nothing is loaded."""
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput
 
+    root = draft_root()
+    if root is not None:
+        try:
+            recv_req.model_path = str(inside_draft_root(recv_req.model_path, root))
+        except UpdateRefused as e:
+            logger.error("dspark-sgl disk update refused, the current weights keep serving: %s", e)
+            return UpdateWeightFromDiskReqOutput(success=False, num_paused_requests=0,
+                                                 message=f"disk update refused (the current weights keep serving): {e}")
+    if not is_draft_folder(recv_req.model_path):
+        return original(manager, recv_req)
     runners = manager._select_runners("draft")
     if not runners:
         msg = f"{recv_req.model_path} holds a DSpark draft but this server runs no draft; nothing was loaded"
