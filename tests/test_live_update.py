@@ -18,7 +18,7 @@ from dspark_sgl.model.checkpoint import WEIGHTS_FILE, save_draft
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
-from dspark_sgl.sglang.traffic import TrafficConfig, TrafficRecorder
+from dspark_sgl.sglang.traffic import TrafficConfig, TrafficRecorder, traffic_files
 from dspark_sgl.sglang.weights import (
     DraftUpdater,
     UpdateRefused,
@@ -277,13 +277,79 @@ def test_traffic_records_trainer_samples_with_rate_budget_and_no_pii_by_default(
     half.sweep()
     assert 70 < half.recorded < 130 and half.recorded + half.skipped == 200
 
-    small = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "s"), max_bytes=400, include_pii=True))
+    small = TrafficRecorder(TrafficConfig(dir=str(tmp_path / "s"), max_bytes=400, keep=0, include_pii=True))
     small.observe([_req([1] * 10, [2] * 10, rid=f"id{i}") for i in range(5)])
     small.sweep()
     assert small.full and small.recorded >= 1 and small.recorded < 5 and small.bytes <= 400
     assert "id0" in (tmp_path / "s" / "samples.jsonl").read_text()
     again = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))  # a restart continues the ids
     assert again.next_id == 1
+
+
+def _record_sized(rec: TrafficRecorder, n: int) -> list[list[int]]:
+    """n finished requests (a line is _line_bytes() long, 1 less for ids 0-9); their token lists in order."""
+    reqs = [_req([100 + i] * 8, [200 + i] * 4) for i in range(n)]
+    for r in reqs:
+        rec.observe([r])
+        rec.sweep()
+    return [list(r.origin_input_ids) + list(r.output_ids) for r in reqs]
+
+
+def _line_bytes() -> int:
+    return len(json.dumps({"id": 10, "input_ids": [100] * 12, "loss_mask": [0] * 8 + [1] * 4})) + 1
+
+
+def test_traffic_rotates_at_the_cap_keeping_whole_records_in_owner_only_files(tmp_path):
+    """3 records fit a file: 10 records with keep=2 leave .2 (ids 3-5), .1 (6-8) and the live file (9); ids 0-2 were
+    rotated out. Every file is under the cap, ends on a record boundary and is 0600 whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path), max_bytes=3 * _line_bytes() + 5, keep=2))
+        _record_sized(rec, 10)
+    finally:
+        os.umask(old)
+    files = traffic_files(rec.path)
+    assert [f.name for f in files] == ["samples.jsonl.2", "samples.jsonl.1", "samples.jsonl"]
+    ids = []
+    for f in files:
+        text = f.read_text()
+        assert text.endswith("\n") and f.stat().st_size <= rec.cfg.max_bytes
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+        ids.append([json.loads(line)["id"] for line in text.splitlines()])
+    assert ids == [[3, 4, 5], [6, 7, 8], [9]]
+    assert rec.recorded == 10 and not rec.full
+    assert TrafficRecorder(TrafficConfig(dir=str(tmp_path), keep=2)).next_id == 10  # a restart continues the ids
+
+
+def test_a_record_no_file_could_hold_is_skipped_not_rotated_forever(tmp_path):
+    rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path), max_bytes=_line_bytes() - 2, keep=2))
+    _record_sized(rec, 2)
+    assert rec.recorded == 0 and rec.skipped == 2 and traffic_files(rec.path) == []
+
+
+def test_a_torn_last_line_is_dropped_before_appending(tmp_path):
+    """A server killed mid-write: the next record starts on a line of its own, not glued to the partial one."""
+    rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))
+    _record_sized(rec, 2)
+    with open(rec.path, "a") as f:
+        f.write('{"id": 2, "input_ids": [1, 2')
+    again = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))
+    _record_sized(again, 1)
+    assert [json.loads(line)["id"] for line in rec.path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_the_trainer_reads_a_rotated_recording_once_in_order(tmp_path, monkeypatch):
+    """training.data.prepare_samples on a traffic folder: every record of every kept file, once, oldest first."""
+    import transformers
+
+    from training.data import DataConfig, prepare_samples
+
+    rec = TrafficRecorder(TrafficConfig(dir=str(tmp_path), max_bytes=2 * _line_bytes() + 5, keep=10))
+    tokens = _record_sized(rec, 7)
+    assert len(traffic_files(rec.path)) == 4  # 2 + 2 + 2 + 1
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SimpleNamespace(pad_token_id=0))
+    samples, _ = prepare_samples(DataConfig(), tmp_path, tmp_path, 0, 1, barrier=lambda: None)
+    assert [s.id for s in samples] == list(range(7)) and [s.input_ids for s in samples] == tokens
 
 
 def test_traffic_file_is_readable_by_its_owner_only(tmp_path):
@@ -306,6 +372,7 @@ def test_traffic_file_is_readable_by_its_owner_only(tmp_path):
 
 @pytest.mark.parametrize("bad, msg", [({"dir": "x", "sample_rate": 2}, "sample_rate=2 must be in [0, 1]"),
                                       ({"dir": "x", "max_bytes": 0}, "max_bytes=0 must be > 0"),
+                                      ({"dir": "x", "keep": -1}, "keep=-1 must be >= 0"),
                                       ({"sample_rate": 1}, "at least 'dir'"),
                                       ({"dir": "x", "rate": 1}, "unknown dspark_traffic key(s) ['rate']")])
 def test_traffic_config_errors_name_the_value(bad, msg):

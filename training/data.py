@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dspark_sgl.sglang.traffic import traffic_files
+
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
                 "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -484,6 +486,9 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
                     model_for_generation=None, log=print) -> tuple[list[Sample], int]:
     """The run's samples (cached as token ids in cache_dir/samples.jsonl) and the pad id.
 
+    A folder of served traffic (dspark_sgl.sglang.traffic) is read as it is, its rotated files (samples.jsonl.N ...
+    .1) included, oldest first.
+
     With regeneration on, rank r answers records r, r+W, ... into cache_dir/regen-r.jsonl; a restarted run (any
     world size) skips every id already present in any regen-*.jsonl.
     """
@@ -493,7 +498,7 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     final = cache_dir / "samples.jsonl"
     barrier()
-    need = not final.exists()  # every rank decides before anyone writes
+    need = not traffic_files(final)  # every rank decides before anyone writes
     barrier()
     if need:
         to_regen, as_is = mixture(cfg, log)
@@ -518,7 +523,7 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
             got.update({smp.id: smp for smp in tokenize_records(tokenizer, as_is, cfg)})
             write_samples(final, [got[i] for i in sorted(got) if got[i].num_supervised >= cfg.min_supervised])
     barrier()
-    samples = sorted(read_cache(final).values(), key=lambda s: s.id)
+    samples = sorted(read_cache(*traffic_files(final)).values(), key=lambda s: s.id)  # recorded traffic may rotate
     if not samples:
         raise DataError(f"dataset {cfg.train!r} gave no sample with >= {cfg.min_supervised} supervised tokens")
     return samples, pad_id
