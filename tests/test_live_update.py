@@ -255,6 +255,38 @@ def test_a_missing_root_is_named(tmp_path):
         inside_draft_root(tmp_path, tmp_path / "nowhere")
 
 
+def test_the_disk_update_hook_refuses_outside_the_root_and_loads_the_resolved_path(root_and_outside, monkeypatch):
+    """weights.route_disk_update (SGLang's disk-update handler, wrapped): a refusal is SGLang's success=False (its
+    HTTP 400) and nothing is loaded; a path inside goes on resolved. SGLang's reply type is stubbed here."""
+    import sys
+    import types
+
+    from dspark_sgl.sglang import weights
+
+    root, outside = root_and_outside
+    stub = types.ModuleType("sglang.srt.managers.io_struct")
+    stub.UpdateWeightFromDiskReqOutput = lambda **kw: kw
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    monkeypatch.setattr(weights, "draft_root", lambda: str(root))
+    loaded = []
+
+    def original(manager, req):
+        loaded.append(req.model_path)
+        return {"success": True}
+
+    (root / "escape").symlink_to(outside / "evil")
+    out = weights.route_disk_update(original, None, SimpleNamespace(model_path=str(root / "escape")))
+    assert not out["success"] and "outside the draft root" in out["message"] and loaded == []
+    (root / "latest").symlink_to(root / "v2")  # not a draft folder: SGLang's own handler gets the resolved path
+    assert weights.route_disk_update(original, None, SimpleNamespace(model_path=str(root / "latest")))["success"]
+    assert loaded == [str((root / "v2").resolve())]
+    monkeypatch.setattr(weights, "draft_root", lambda: None)  # unset: any folder, as before
+    weights.route_disk_update(original, None, SimpleNamespace(model_path=str(outside / "evil")))
+    assert loaded[-1] == str(outside / "evil")
+
+
 def _req(prompt, out, finished=True, rid="r", reason=None):
     return SimpleNamespace(origin_input_ids=prompt, output_ids=out, rid=rid, finished=lambda: finished,
                            finished_reason=reason)
