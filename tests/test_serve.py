@@ -179,3 +179,9 @@ def test_draft_root_travels_resolved_in_the_override_args(folders, monkeypatch, 
                                                                      "dspark_draft_root": str(tmp_path / "drafts")}
     with pytest.raises(serve.ServeError, match="--draft-root 'nowhere' is not a folder"):
         serve.prepare(serve.ServeConfig(target, draft, draft_root=Path("nowhere")))
+    started = []
+    monkeypatch.setattr(serve, "exec_server", lambda cmd, env: started.append(cmd))
+    res = runner.invoke(app, ["serve", "--target", str(target), "--draft", str(draft), "--draft-root", "drafts"])
+    assert res.exit_code == 0, res.output
+    sent = json.loads(_flag(started[0], "--json-model-override-args"))
+    assert sent == {"dspark_draft_root": str(tmp_path / "drafts")}
