@@ -15,6 +15,16 @@ SOURCE = "dspark_sgl.handle_dspark_args"
 SUPPORTED_DEVICES = ("cuda", "cpu")
 
 
+def override_arg(key: str, default=None):
+    """One of our keys in the server's --json-model-override-args (how `dspark serve` and operators pass settings
+    that SGLang has no flag for), read from SGLang's published server args in whichever process asks."""
+    import json
+
+    from sglang.srt.runtime_context import get_model
+
+    return json.loads(get_model().json_model_override_args or "{}").get(key, default)
+
+
 def handle_dspark_args(server_args) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 

@@ -42,9 +42,9 @@ class CaptureError(ValueError):
 # ---- server side: the hooks -----------------------------------------------------------------------------------
 def capture_requested() -> bool:
     """True when this engine was started with the override key (read from SGLang's published server args)."""
-    from sglang.srt.runtime_context import get_model
+    from dspark_sgl.sglang.args import override_arg
 
-    return bool(json.loads(get_model().json_model_override_args or "{}").get(OVERRIDE_KEY, False))
+    return bool(override_arg(OVERRIDE_KEY, False))
 
 
 def _init_after(_result, processor, *_args, **_kwargs) -> None:

@@ -99,9 +99,9 @@ class TrafficRecorder:
 
     @classmethod
     def from_server_args(cls) -> TrafficRecorder | None:
-        from sglang.srt.runtime_context import get_model
+        from dspark_sgl.sglang.args import override_arg
 
-        raw = json.loads(get_model().json_model_override_args or "{}").get(OVERRIDE_KEY)
+        raw = override_arg(OVERRIDE_KEY)
         return None if raw is None else cls(TrafficConfig.from_dict(raw))
 
     def _last_id(self) -> int:

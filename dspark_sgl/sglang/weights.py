@@ -156,9 +156,9 @@ def inside_draft_root(path: str | Path, root: str | Path) -> Path:
 
 def draft_root() -> str | None:
     """The operator's draft root from the server's --json-model-override-args (None: disk updates unconfined)."""
-    from sglang.srt.runtime_context import get_model
+    from dspark_sgl.sglang.args import override_arg
 
-    return json.loads(get_model().json_model_override_args or "{}").get(DRAFT_ROOT_KEY)
+    return override_arg(DRAFT_ROOT_KEY)
 
 
 def is_draft_folder(path: str | Path) -> bool:

@@ -19,7 +19,6 @@ dspark_sgl.speculative; SGLang supplies the verify window, the verify forward, t
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -39,6 +38,7 @@ from torch import Tensor
 from dspark_sgl.dtypes import dtype_name, resolve_dtype
 from dspark_sgl.faults import planted
 from dspark_sgl.model.checkpoint import load_draft
+from dspark_sgl.sglang.args import override_arg
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
 from dspark_sgl.sglang.planning import VerifyPlanner
@@ -57,9 +57,7 @@ DRAFT_DTYPE_KEY = "dspark_draft_dtype"  # in --json-model-override-args; `dspark
 def draft_dtype(target_dtype: torch.dtype, device) -> torch.dtype:
     """The draft's dtype: the target's, unless the override names one (`auto`: bf16 where the hardware multiplies
     it natively). Only the target decides tokens, so the draft's dtype changes speed and acceptance, never output."""
-    from sglang.srt.runtime_context import get_model
-
-    name = json.loads(get_model().json_model_override_args or "{}").get(DRAFT_DTYPE_KEY)
+    name = override_arg(DRAFT_DTYPE_KEY)
     return target_dtype if name is None else resolve_dtype(str(name), device, what=DRAFT_DTYPE_KEY)
 
 
