@@ -5,7 +5,9 @@ case below marked `crash` was seen to do so without dspark_sgl.sglang.guard). Ag
 one DSPARK server, each started once by the product command: every bad request gets a 4xx whose message names the
 problem, and afterwards the server still answers greedy requests token-identically to its answers before the fuzz.
 Both servers run with SGLang's --admin-api-key, so the trainer's draft push is checked there too: refused (401)
-without the key, installed with it (DSPARK).
+without the key, installed with it (DSPARK). Both also run with `--draft-root` (the draft's folder): a disk update
+through a symlink in the root pointing out, or a `..` out of it, is refused (400) even with the key, and nothing
+changes (no swap; the answers stay the same). Cost: four more short admin calls, no server start.
 The guard is one plugin hook whatever the speculative algorithm; NGRAM's server is checked through that hook in
 tests/test_sglang_plugin.py instead of a third server start. The validation itself: tests/test_guard.py.
 """
@@ -13,6 +15,7 @@ tests/test_sglang_plugin.py instead of a third server start. The validation itse
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import urllib.error
 import urllib.request
@@ -86,6 +89,7 @@ ADMIN_KEY = "test-admin-key"  # both servers start with --admin-api-key: the tra
 # answers 401; with it the call gets past the gate to SGLang's request parsing (400 `Field required`), so
 # nothing is ever updated.
 UPDATE_CALLS = ["/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed"]
+DISK = "/update_weights_from_disk"
 STREAMED_BAD = {"input_ids": [5, 1_000_000_000], "stream": True, "sampling_params": GREEDY}  # SGLang: 200 + error event
 
 
@@ -108,6 +112,10 @@ def send(server: ServeCommand, path: str, body: dict, key: str | None = None) ->
         return e.code, err.get("message", str(err)) if isinstance(err, dict) else str(err)
     except Exception as e:  # the server went away
         return None, repr(e)
+
+
+def swaps(server: ServeCommand) -> int:
+    return server.get("/server_info")["internal_states"][0]["dspark_info_record"]["draft_update"]["swaps"]
 
 
 def survive(fn, *args, **kwargs):
@@ -139,12 +147,21 @@ def fuzzed(request, smollm2_dir, prompt_ids, tmp_path_factory) -> dict:
 
     draft = build_bigram_draft(smollm2_dir, prompt_ids, tmp_path_factory.mktemp("draft") / "bigram")
     args = ["--no-draft"] if request.param == "plain" else ["--draft", str(draft)]
-    with ServeCommand(smollm2_dir, serve_args=[*args, "--admin-api-key", ADMIN_KEY]) as s:
+    root, outside = draft.parent, tmp_path_factory.mktemp("outside") / "bigram"  # a valid draft, out of the root
+    shutil.copytree(draft, outside)
+    (root / "escape").symlink_to(outside)
+    escapes = {"symlink": str(root / "escape"), "dotdot": f"{root}/../{outside.parent.name}/bigram"}
+    serve_args = [*args, "--admin-api-key", ADMIN_KEY, "--draft-root", str(root)]
+    with ServeCommand(smollm2_dir, serve_args=serve_args) as s:
         before = answers(s, prompt_ids)
         bad = {what: send(s, path, body) for what, path, body, _ in BAD}
         streamed = send(s, GEN, STREAMED_BAD)
         admin = {"without key": survive(push, s.url, draft, timeout=120),
-                 "calls": {path: (send(s, path, {}), send(s, path, {}, key=ADMIN_KEY)) for path in UPDATE_CALLS}}
+                 "calls": {path: (send(s, path, {}), send(s, path, {}, key=ADMIN_KEY)) for path in UPDATE_CALLS},
+                 "outside root": {how: send(s, DISK, {"model_path": path}, key=ADMIN_KEY)
+                                  for how, path in escapes.items()}}
+        if request.param == "dspark":
+            admin["swaps after refusals"] = survive(swaps, s)
         if request.param == "dspark":  # a draft folder is a draft update only where a draft is served
             admin["with key"] = survive(push, s.url, draft, timeout=120, key=ADMIN_KEY)
         after = survive(answers, s, prompt_ids)
@@ -174,6 +191,15 @@ def test_draft_updates_need_the_admin_key_the_trainer_sends(fuzzed):
     assert isinstance(without, dict) and without["status"] == 401 and not without["success"], without
     if fuzzed["kind"] == "dspark":
         assert isinstance(with_key, dict) and with_key["success"], with_key
+
+
+def test_a_disk_update_outside_the_draft_root_is_refused_even_with_the_key(fuzzed):
+    """`dspark serve --draft-root`: the path is resolved in the server (symlink, `..`) before it is judged."""
+    refused = {how: (status, "outside the draft root" in message)
+               for how, (status, message) in fuzzed["admin"]["outside root"].items()}
+    assert refused == {"symlink": (400, True), "dotdot": (400, True)}, fuzzed["admin"]["outside root"]
+    if fuzzed["kind"] == "dspark":
+        assert fuzzed["admin"]["swaps after refusals"] == 0  # the old draft kept serving
 
 
 def test_the_server_keeps_serving_the_same_answers(fuzzed):
