@@ -7,7 +7,10 @@ vocabulary).
 The draft is the testkit's random fp32 draft (`build_random_draft`, every weight N(0, 0.5)) over K target ids that
 hold every successor of the bigram table of plain SGLang's greedy outputs, which its Markov head carries at a scale
 comparable to SmolLM2's random base logits: each proposal is the bigram successor or the backbone's pick over the
-draft context, so a wrong d2t, context write or position changes the accept counts.
+draft context. Can fail: a greedy d2t off by one on the DSPARK server only (a local edit of markov.rollout) gives
+served histograms [[17, 3, 0, ...], [23, 0, ...], ...] vs [[10, 5, 0, 1, ...], ...]. DSPARK_SGL_PLANT=context_keep
+does NOT change them on this draft (its proposals barely read the draft context): tests/test_sglang_mla.py and
+tests/test_sglang_planted.py catch that one.
 """
 
 from __future__ import annotations

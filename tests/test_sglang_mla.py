@@ -10,6 +10,8 @@ and its per-step accepted-count histogram equals the reference engine's `accept_
 
 Target: the testkit's tiny random 8-token Llama (as tests/test_sglang_planted.py), where a random draft is accepted
 often enough for the histograms to say something. Three servers (plain, K > V, K < V).
+Can fail: with DSPARK_SGL_PLANT=context_keep on the DSPARK server only, K < V's served histograms differ
+([[3, 5, 2, 1], ...] vs [[8, 8, 0, 0], ...]) while the outputs stay lossless.
 """
 
 from __future__ import annotations
