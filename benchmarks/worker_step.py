@@ -43,7 +43,7 @@ from dspark_sgl.loading import encode_prompt
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "sglang_cpu"))
 sys.path.insert(0, str(ROOT / "tests"))
-from dspark_testkit import Server, bigram_table, build_bigram_draft  # noqa: E402
+from dspark_testkit import Server, bigram_table, build_bigram_draft, restrict_vocab  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eval" / "gsm8k.jsonl"
 GAMMA = 7
@@ -144,10 +144,8 @@ def measure(server: HarnessServer, prompts: list[list[int]], max_new: int, batch
 
 
 def restricted_draft(full: Path, out: Path, seqs: list[list[int]]) -> Path:
-    """The reduced-vocabulary variant of the bigram draft (the lossless test's recipe: K = 4096 target ids)."""
-    from test_sglang_draft_vocab import restrict
-
-    return restrict(full, out, set(bigram_table(seqs).values()))
+    """The reduced-vocabulary variant of the bigram draft (K = 4096 target ids, as tests/test_sglang_draft_vocab.py)."""
+    return restrict_vocab(full, out, set(bigram_table(seqs).values()), 4096)
 
 
 def main(

@@ -254,6 +254,31 @@ def build_bigram_draft(target_dir: Path, sequences: list[list[int]], out_dir: Pa
     return save_draft(draft, out_dir)
 
 
+def hot_vocab(keep: set[int], vocab_size: int, k: int) -> list[int]:
+    """K target ids for a reduced-vocabulary draft: `keep` plus the lowest other ids, sorted."""
+    filler = (i for i in range(vocab_size) if i not in keep)
+    return sorted(keep | {next(filler) for _ in range(k - len(keep))})
+
+
+def restrict_vocab(full_dir: Path, out_dir: Path, keep: set[int], k: int) -> Path:
+    """The same draft over K target ids (hot_vocab of keep): markov_w2 rows gathered, d2t set. Restricting the
+    bigram draft to ids that hold every bigram successor leaves its greedy choices unchanged."""
+    import dataclasses
+
+    import torch
+
+    from dspark_sgl.model.draft import DSparkDraft
+
+    full = DSparkDraft.from_pretrained(full_dir)
+    ids = hot_vocab(keep, full.config.vocab_size, k)
+    draft = DSparkDraft(dataclasses.replace(full.config, draft_vocab_size=k))
+    state = full.state_dict()
+    state["markov_head.markov_w2.weight"] = state["markov_head.markov_w2.weight"][ids]
+    draft.load_state_dict(state | {"d2t": torch.tensor(ids) - torch.arange(k)})
+    draft.save_pretrained(out_dir)
+    return out_dir
+
+
 # ---- a random draft whose proposals depend on everything --------------------------------------------------------
 def build_random_draft(target_dir: Path, out_dir: Path, block_size: int = 3, seed: int = 0, std: float = 0.5,
                        draft_vocab: list[int] | None = None, sequences: list[list[int]] | None = None,
@@ -290,6 +315,28 @@ def build_random_draft(target_dir: Path, out_dir: Path, block_size: int = 3, see
             if table[prev] in ids:
                 head.markov_w2.weight[ids.index(table[prev]), j] = scale
     return save_draft(draft, out_dir)
+
+
+def reference_accept(target_dir: Path, draft_dir: Path, prompts: list[list[int]], max_new: int) -> dict:
+    """What a served DSPARK worker must reproduce at T = 0 under the static schedule with `ignore_eos`: the reference
+    engine's (dspark_sgl.speculative.engine, fp32, no EOS stop) outputs, per-request accepted-count histograms
+    (`accept_hist`, c = 0..γ) and its plain (no draft) outputs."""
+    from dspark_sgl.model.checkpoint import load_draft
+    from dspark_sgl.speculative.engine import SpecEngine
+    from dspark_sgl.targets.hf import HFTarget
+
+    draft = load_draft(draft_dir)
+    hf = HFTarget.from_pretrained(target_dir, draft.config.target_layer_ids)
+    out = SpecEngine(hf, draft).generate(prompts, max_new)
+    plain = SpecEngine(hf).generate(prompts, max_new)
+    return {"outputs": [o.token_ids for o in out], "hists": [o.stats.accept_hist for o in out],
+            "plain": [o.token_ids for o in plain], "gamma": draft.config.block_size}
+
+
+def served_hists(outs: list[dict], gamma: int) -> list[list[int]]:
+    """Each served request's accepted-count histogram (SGLang's spec_correct_drafts_histogram), padded to γ + 1."""
+    hists = [list(o["meta_info"]["spec_correct_drafts_histogram"]) for o in outs]
+    return [h + [0] * (gamma + 1 - len(h)) for h in hists]
 
 
 # ---- a tiny random target with a small vocabulary (cheap enough for thousands of served samples) -------------------
