@@ -50,11 +50,7 @@ _active: str | None = _check(os.environ.get(ENV) or None)
 
 def planted(name: str) -> bool:
     """Whether the planted bug `name` is switched on (always False outside tests)."""
-    return _active is not None and _active == name
-
-
-def active() -> str | None:
-    return _active
+    return _active == name
 
 
 @contextmanager

@@ -66,7 +66,7 @@ def _prompt_problem(obj, input_ids, vocab_size: int) -> str | None:
 
 def _sampling_problem(params: dict, vocab_size: int) -> str | None:
     top_k = params.get("top_k")
-    if isinstance(top_k, int) and not isinstance(top_k, bool):
+    if _is_int(top_k):
         if top_k > MAX_TOP_K:
             return f"top_k = {top_k} is too large (at most {MAX_TOP_K}); -1 samples from the whole vocabulary"
         if top_k == 0 or top_k < -1:
