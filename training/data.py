@@ -42,6 +42,7 @@ class RegenerateConfig:
     batch_size: int = 16
     max_turns: int = 1  # user turns kept (each answered by the target)
     seed: int = 0
+    dtype: str = "auto"  # auto: dspark_sgl.dtypes.decode_dtype (fp32 on a CPU without AMX: decoding is faster there)
 
 
 @dataclass
@@ -348,6 +349,20 @@ def prompts_of(record: dict, max_turns: int) -> list[dict]:
 
 
 @torch.no_grad()
+def _generation_model(model, target_dir: Path, dtype_name: str):
+    """The target in the dtype that decodes fastest here: the training target's own model when it matches, else a
+    copy loaded for regeneration alone (also when the engine runs elsewhere)."""
+    from dspark_sgl.dtypes import decode_dtype, resolve_dtype
+
+    device = model.device if model is not None else torch.device("cpu")
+    dtype = decode_dtype(device) if dtype_name == "auto" else resolve_dtype(dtype_name, what="regenerate.dtype")
+    if model is not None and model.dtype == dtype:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
+
+
 def regenerate(model, tokenizer, items: list[tuple[int, dict]], cfg: RegenerateConfig, cache: Path,
                max_length: int, progress=None) -> None:
     """Answer every user turn of items [(id, record)] with the target; append finished samples to `cache` (JSONL)."""
@@ -397,7 +412,7 @@ def _regenerate_batch(model, tokenizer, chunk, cfg, max_length, gen) -> list[Sam
                     active.append(st)
         if not active:
             break
-        outs = _generate(model, [st["ids"] for st in active], cfg, eos, tokenizer.pad_token_id or 0, gen)
+        outs = _generate(model, [st["ids"] for st in active], cfg, eos, gen)
         for st, new in zip(active, outs, strict=True):
             st["ids"].extend(new)
             st["mask"].extend([True] * len(new))
@@ -415,28 +430,17 @@ def _regenerate_batch(model, tokenizer, chunk, cfg, max_length, gen) -> list[Sam
     return out
 
 
-def _generate(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: int, pad: int, gen) -> list[list[int]]:
-    """Batched left-padded decoding with a KV cache; returns new ids per prompt, ending at (and including) eos."""
-    T = max(len(p) for p in prompts)
-    dev = model.device
-    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts], device=dev)
-    attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    kw = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    if cfg.temperature > 0:
-        kw.update(temperature=cfg.temperature, top_k=0, top_p=1.0)
-        torch.manual_seed(int(torch.randint(0, 1 << 31, (1,), generator=gen)))
-    else:
-        kw.update(temperature=None, top_k=None, top_p=None)
-    out = model.generate(input_ids=ids, attention_mask=attn, **kw)[:, T:].tolist()
-    result = []
-    for row in out:
-        if eos in row:
-            row = row[: row.index(eos) + 1]
-        else:
-            while row and row[-1] == pad:
-                row.pop()
-        result.append(row)
-    return result
+def _generate(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: int, gen) -> list[list[int]]:
+    """The target's answers through the project's own engine (draft-free): a preallocated KV cache written in place,
+    finished rows leaving the batch. transformers' `generate` grows its cache by concatenation and keeps decoding
+    finished rows; on a 2-core EPYC (fp32, batch 16, 256 tokens) it took 7.0 s per answer against 4.7 here.
+    Returns the new ids per prompt, ending at (and including) eos."""
+    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
+    from dspark_sgl.targets.hf import HFTarget
+
+    sampling = SamplingConfig(temperature=cfg.temperature, seed=int(torch.randint(0, 1 << 31, (1,), generator=gen)))
+    outs = SpecEngine(HFTarget(model, [])).generate(prompts, cfg.max_new_tokens, sampling, eos_token_ids={eos})
+    return [g.token_ids for g in outs]
 
 
 def read_cache(*caches: Path) -> dict[int, Sample]:
@@ -503,10 +507,7 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
     if need:
         to_regen, as_is = mixture(cfg, log)
         if to_regen:
-            if model_for_generation is None:  # the engine runs elsewhere: load the target here just for this
-                from transformers import AutoModelForCausalLM
-
-                model_for_generation = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+            model_for_generation = _generation_model(model_for_generation, target_dir, cfg.regenerate.dtype)
             done = read_cache(*cache_dir.glob("regen-*.jsonl"))
             mine = [(i, r) for n, (i, r) in enumerate(to_regen) if n % world == rank and i not in done]
             t0 = time.time()

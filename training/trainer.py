@@ -133,14 +133,39 @@ def shard(module: ObjectiveModule, compute_dtype: torch.dtype, reshard_after_for
     return module
 
 
-def lr_lambda(total: int, warmup: int, min_ratio: float):
-    """Linear warmup to 1, then cosine down to min_ratio at the last step."""
+def lr_lambda(total: int, warmup: int, min_ratio: float, budget: TimeBudget | None = None):
+    """Linear warmup to 1, then cosine down to min_ratio at the last step (or, with a time budget, at its end)."""
     def f(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = budget.fraction if budget is not None else (step - warmup) / max(1, total - warmup)
+        progress = min(1.0, progress)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
+
+
+class TimeBudget:
+    """`train.minutes`: the training phase ends when its wall time is spent, whatever the CPU, and the LR cosine
+    follows the fraction of the budget spent instead of the step count. So one recipe fills an hour on a fast Xeon
+    and on a slow EPYC alike (epochs / max_steps stay an upper bound). Every rank reads rank 0's clock (one
+    all-reduce of a float per step), so all ranks stop after the same step; a resumed run continues the spent time
+    from its checkpoint. Such a run is not step-for-step reproducible: the step it stops at depends on the box."""
+
+    def __init__(self, minutes: float, spent_s: float = 0.0):
+        self.total_s, self.spent_s = minutes * 60.0, spent_s
+        self._t0, self._base = time.perf_counter(), spent_s
+
+    @property
+    def fraction(self) -> float:
+        return self.spent_s / self.total_s
+
+    def tick(self, device) -> bool:
+        """After a step: agree on the time spent (rank 0's); True when the budget is used up."""
+        spent = torch.tensor([self._base + time.perf_counter() - self._t0], dtype=torch.float64, device=device)
+        if dist.get_world_size() > 1:
+            dist.broadcast(spent, 0)
+        self.spent_s = float(spent)
+        return self.spent_s >= self.total_s
 
 
 class Plan:
@@ -289,38 +314,50 @@ class Trainer:
         optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         steps = total_steps(r, len(samples))
         warmup = round(o.warmup_ratio * steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(steps, warmup, o.min_lr_ratio))
+        budget = TimeBudget(t.minutes) if t.minutes else None
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(steps, warmup, o.min_lr_ratio, budget))
         plan = Plan(samples, t.seed, t.global_batch, t.micro_batch, self.d.world)
         start = 0
         if resume:
             meta = ckpt.load_checkpoint(self.out / "checkpoints", model, optim, sched)
             if meta is not None:
                 start = meta["step"]
+                if budget is not None:
+                    budget = TimeBudget(t.minutes, meta["stream"].get("train_s", 0.0))
+                    sched.lr_lambdas[0] = lr_lambda(steps, warmup, o.min_lr_ratio, budget)
                 self.log(f"resumed from step {start} ({self.out / 'checkpoints'})")
             else:
                 self.log("--resume: no complete checkpoint yet, starting from step 0")
         n_params = sum(p.numel() for p in params)
         self.log(f"draft {n_params / 1e6:.2f}M params | {len(samples)} samples | {steps} steps × global batch "
                  f"{t.global_batch} ({self.d.world} ranks × {plan.accumulation} micro × {t.micro_batch}) | "
-                 f"warmup {warmup} | {self.d.device}")
+                 f"warmup {warmup} | {self.d.device}"
+                 + (f" | stops after {t.minutes:g} min of training (train.minutes)" if budget else ""))
         logger = MetricLogger(r, self.out, self.main, steps, start)
         publisher = Publisher(r.publish, self.out, self.log) if r.publish.every_steps else None
         with self.phase("train"):  # steps, checkpoints and publishing
-            for step in range(start, steps):
+            end = start if budget is not None and budget.fraction >= 1 else steps  # a spent budget: nothing to do
+            for step in range(start, end):
                 micro = plan.micro_batches(step, self.d.rank)
                 ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
                 source.submit([it for mb in micro + ahead for it in mb])  # engines prefetch the next step meanwhile
                 metrics = self.train_step(model, params, optim, sched, step, micro, source)
                 logger.step(step, metrics, sched.get_last_lr()[0])
                 done = step + 1
-                if (t.save_every and done % t.save_every == 0) or done == steps:
+                spent = budget is not None and budget.tick(self.d.device)
+                if (t.save_every and done % t.save_every == 0) or done == steps or spent:
                     ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
                                          {"position": done * t.global_batch, "epoch": done * t.global_batch //
-                                          len(samples), "inflight": source.pending()}, keep=t.keep_checkpoints)
+                                          len(samples), "inflight": source.pending(),
+                                          "train_s": budget.spent_s if budget else None}, keep=t.keep_checkpoints)
+                if spent:
+                    self.log(f"train.minutes={t.minutes:g} spent after step {done} of at most {steps}")
                 if publisher is not None and r.publish.due(done):  # export is collective; rank 0 pushes
                     folder = self.export(model, publisher.folder(done))
                     if self.main:
                         publisher.publish(folder, done)
+                if spent:
+                    break
             logger.close()
         with self.phase("export"):
             folder = self.export(model, self.out / "draft")

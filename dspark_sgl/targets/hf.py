@@ -127,7 +127,7 @@ class HFTarget:
             use_cache=cache is not None,
         )
         h = out.last_hidden_state
-        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         rows = {"all": h, "last": h[:, -1:], "none": None}[logits]
         lg = None if rows is None else self.lm_head(rows).float()
         return TargetOutput(aux=aux, last_hidden=h, logits=lg)
