@@ -96,7 +96,7 @@ class TrainLoopConfig(Section):
     seed: int = 42
     epochs: float = 1.0
     max_steps: int | None = None
-    minutes: float | None = Field(default=None, gt=0)  # training-phase wall budget: stop when spent, LR cosine on time
+    minutes: float | None = Field(default=None, gt=0)  # wall budget to the end of training (data included)
     global_batch: int = 8  # samples per optimizer step over all ranks
     micro_batch: int = 1  # samples per forward on one rank
     compute_dtype: DtypeName = "auto"  # FSDP param dtype; master weights and optimizer state are fp32

@@ -145,24 +145,38 @@ def lr_lambda(total: int, warmup: int, min_ratio: float, budget: TimeBudget | No
 
 
 class TimeBudget:
-    """`train.minutes`: the training phase ends when its wall time is spent, whatever the CPU, and the LR cosine
-    follows the fraction of the budget spent instead of the step count. So one recipe fills an hour on a fast Xeon
-    and on a slow EPYC alike (epochs / max_steps stay an upper bound). Every rank reads rank 0's clock (one
-    all-reduce of a float per step), so all ranks stop after the same step; a resumed run continues the spent time
-    from its checkpoint. Such a run is not step-for-step reproducible: the step it stops at depends on the box."""
+    """`train.minutes`: the run's wall budget from its start to the end of training (data and regeneration
+    included; export, calibration and eval follow). Training stops when it is spent, whatever the CPU, and the LR
+    cosine follows the fraction spent instead of the step count, so one recipe fills its hour on a fast Xeon and on a
+    slow EPYC alike (epochs / max_steps stay an upper bound). Every rank reads rank 0's clock (one broadcast of a
+    float per step), so all ranks stop after the same step; a resumed run continues the spent time from its
+    checkpoint. Such a run is not step-for-step reproducible: where it stops depends on the box."""
 
-    def __init__(self, minutes: float, spent_s: float = 0.0):
-        self.total_s, self.spent_s = minutes * 60.0, spent_s
-        self._t0, self._base = time.perf_counter(), spent_s
+    def __init__(self, minutes: float, started: float, spent_s: float = 0.0, train_from_s: float | None = None):
+        self.total_s, self.spent_s, self.train_from_s = minutes * 60.0, spent_s, train_from_s
+        self._started, self._base = started, spent_s
 
     @property
     def fraction(self) -> float:
-        return self.spent_s / self.total_s
+        """Of the time left for training when it started (the cosine spans the steps, not the data phase)."""
+        if self.train_from_s is None:
+            return 0.0
+        return (self.spent_s - self.train_from_s) / max(1e-9, self.total_s - self.train_from_s)
+
+    def begin(self, device) -> bool:
+        """Before the first step of this process: True when nothing is left for training."""
+        spent = self.tick(device)
+        if self.train_from_s is None:
+            self.train_from_s = self.spent_s
+        return spent
+
+    def state(self) -> dict:
+        return {"train_s": self.spent_s, "train_from_s": self.train_from_s}
 
     def tick(self, device) -> bool:
-        """After a step: agree on the time spent (rank 0's); True when the budget is used up."""
-        spent = torch.tensor([self._base + time.perf_counter() - self._t0], dtype=torch.float64, device=device)
-        if dist.get_world_size() > 1:
+        """Agree on the time spent (rank 0's); True when the budget is used up."""
+        spent = torch.tensor([self._base + time.perf_counter() - self._started], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(spent, 0)
         self.spent_s = float(spent)
         return self.spent_s >= self.total_s
@@ -218,6 +232,7 @@ class Trainer:
         self.target_dir = resolve_target_path(recipe.target.path)
         self.main = self.d.rank == 0
         self.phase_s: dict[str, float] = {}  # wall seconds by phase (rank 0's view), printed and saved at the end
+        self.started = time.perf_counter()  # train.minutes counts from here
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -314,7 +329,7 @@ class Trainer:
         optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         steps = total_steps(r, len(samples))
         warmup = round(o.warmup_ratio * steps)
-        budget = TimeBudget(t.minutes) if t.minutes else None
+        budget = TimeBudget(t.minutes, self.started) if t.minutes else None
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(steps, warmup, o.min_lr_ratio, budget))
         plan = Plan(samples, t.seed, t.global_batch, t.micro_batch, self.d.world)
         start = 0
@@ -323,7 +338,8 @@ class Trainer:
             if meta is not None:
                 start = meta["step"]
                 if budget is not None:
-                    budget = TimeBudget(t.minutes, meta["stream"].get("train_s", 0.0))
+                    b = meta["stream"].get("budget") or {}
+                    budget = TimeBudget(t.minutes, self.started, b.get("train_s", 0.0), b.get("train_from_s"))
                     sched.lr_lambdas[0] = lr_lambda(steps, warmup, o.min_lr_ratio, budget)
                 self.log(f"resumed from step {start} ({self.out / 'checkpoints'})")
             else:
@@ -336,6 +352,9 @@ class Trainer:
         logger = MetricLogger(r, self.out, self.main, steps, start)
         publisher = Publisher(r.publish, self.out, self.log) if r.publish.every_steps else None
         with self.phase("train"):  # steps, checkpoints and publishing
+            if budget is not None and budget.begin(self.d.device) and start == 0:
+                raise RecipeError(f"train.minutes={t.minutes:g} was spent before the first step (data took "
+                                  f"{self.phase_s.get('data', 0) / 60:.1f} min; it is cached now): raise the budget")
             end = start if budget is not None and budget.fraction >= 1 else steps  # a spent budget: nothing to do
             for step in range(start, end):
                 micro = plan.micro_batches(step, self.d.rank)
@@ -349,7 +368,7 @@ class Trainer:
                     ckpt.save_checkpoint(self.out / "checkpoints", done, model, optim, sched,
                                          {"position": done * t.global_batch, "epoch": done * t.global_batch //
                                           len(samples), "inflight": source.pending(),
-                                          "train_s": budget.spent_s if budget else None}, keep=t.keep_checkpoints)
+                                          "budget": budget.state() if budget else None}, keep=t.keep_checkpoints)
                 if spent:
                     self.log(f"train.minutes={t.minutes:g} spent after step {done} of at most {steps}")
                 if publisher is not None and r.publish.due(done):  # export is collective; rank 0 pushes
