@@ -348,7 +348,7 @@ class Trainer:
         self.log(f"draft {n_params / 1e6:.2f}M params | {len(samples)} samples | {steps} steps × global batch "
                  f"{t.global_batch} ({self.d.world} ranks × {plan.accumulation} micro × {t.micro_batch}) | "
                  f"warmup {warmup} | {self.d.device}"
-                 + (f" | stops after {t.minutes:g} min of training (train.minutes)" if budget else ""))
+                 + (f" | stops {t.minutes:g} min after launch (train.minutes)" if budget else ""))
         logger = MetricLogger(r, self.out, self.main, steps, start)
         publisher = Publisher(r.publish, self.out, self.log) if r.publish.every_steps else None
         with self.phase("train"):  # steps, checkpoints and publishing
