@@ -26,7 +26,8 @@ The sites (docs/testing.md has the table of which test catches which):
                       (target_dist._filter, shared)
     seed            - a request's sampling_seed is ignored: seeded rows read the step's generator (rows.step_noise)
     rank_sync       - under TP, rank 0's drafts, verify lengths, accepted counts and bonus tokens are not broadcast:
-                      each rank keeps its own decisions (sglang/ranks.py RankSync.share)
+                      each rank keeps its own decisions (sglang/ranks.py RankSync.share), and the worker's draft on
+                      ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
 """
 
 from __future__ import annotations

@@ -102,6 +102,10 @@ class DSparkWorker(BaseSpecWorker):
         self.ranks = tp_rank_sync()  # rank 0's decisions on every TP rank; a no-op at TP=1
         if self.ranks.active and self.ranks.group.rank_in_group != 0:
             self.planner.save_path = None  # a measured SPS table is written once, by rank 0
+            if planted("rank_sync"):  # and share() broadcasts nothing: rank 1+ drafts with another seed
+                torch.manual_seed(self.ranks.group.rank_in_group)
+                for p in self.draft.parameters():
+                    p.data.add_(torch.randn_like(p) * 0.5)
         self.times = StepTimes(self.device)
         self._stale_rows: Tensor | int = 0  # request-steps capped by a stale context, summed on the device
         self._prompts: tuple[tuple, list[int], Tensor] | None = None  # (requests, host, device) prompt lengths
