@@ -68,16 +68,18 @@ test-sglang: install
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q --durations=25 -m 'sglang and not planted' tests/
 
-# The served planted-bug checks (tests/test_sglang_planted.py): one SGLang server per planted bug (~12 min on an idle
+# The served planted-bug checks (tests/test_sglang_planted.py, and tests/test_sglang_tp.py's rank divergence at TP=2):
+# one SGLang server per planted bug (~12 min on an idle
 # 2-core box, docs/testing.md). CI's stage (.ci/run) runs PLANTED_K=$(PLANTED_WORKER): the clean probes and plants
 # whose site is the worker's own code; the plants in code shared with the reference engine (markov.py, rows.py,
 # target_dist.py) are caught in-process by tests/test_faults.py in `make test`.
-PLANTED_WORKER := accept_hist or stale or verify_limit or context_keep or hybrid or zz
+PLANTED_WORKER := accept_hist or stale or verify_limit or context_keep or hybrid or rank_divergence or zz
 PLANTED_K ?=
 test-planted: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -q -m 'sglang and planted' tests/test_sglang_planted.py $(if $(PLANTED_K),-k '$(PLANTED_K)')
+		$(BIN)/python -m pytest -q -m 'sglang and planted' tests/test_sglang_planted.py tests/test_sglang_tp.py \
+		$(if $(PLANTED_K),-k '$(PLANTED_K)')
 test-planted-worker:
 	$(MAKE) test-planted PLANTED_K='$(PLANTED_WORKER)'
 

@@ -25,6 +25,9 @@ The sites (docs/testing.md has the table of which test catches which):
     top_p_boundary  - top-p drops the token that crosses the boundary (mass before it <= p, but with it > p)
                       (target_dist._filter, shared)
     seed            - a request's sampling_seed is ignored: seeded rows read the step's generator (rows.step_noise)
+    rank_sync       - under TP, rank 0's drafts, verify lengths, accepted counts and bonus tokens are not broadcast:
+                      each rank keeps its own decisions (sglang/ranks.py RankSync.share), and the worker's draft on
+                      ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from contextlib import contextmanager
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "context_keep", "stale_cap", "d2t_sampled", "markov_prev", "kv_rollback",
-    "penalty_drafts", "top_p_boundary", "seed",
+    "penalty_drafts", "top_p_boundary", "seed", "rank_sync",
 })
 
 

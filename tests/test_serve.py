@@ -185,3 +185,23 @@ def test_draft_root_travels_resolved_in_the_override_args(folders, monkeypatch, 
     assert res.exit_code == 0, res.output
     sent = json.loads(_flag(started[0], "--json-model-override-args"))
     assert sent == {"dspark_draft_root": str(tmp_path / "drafts")}
+
+
+def test_cpu_tp_gives_each_rank_its_cores_unless_named(folders, monkeypatch):
+    """SGLang's CPU TP asserts a NUMA node per rank unless SGLANG_CPU_OMP_THREADS_BIND names each rank's cores."""
+    from dspark_sgl.sglang.cpu import omp_bind, tp_size_of
+
+    assert tp_size_of(["--tp-size", "2"]) == 2 and tp_size_of(["--tensor-parallel-size=4", "--tp", "2"]) == 2
+    assert tp_size_of(["--dp-size", "2"]) == 1
+    assert omp_bind(2, [0, 1]) == "0|1" and omp_bind(2, [7, 0, 1, 2, 3, 4, 5, 6]) == "0-3|4-7"
+    assert omp_bind(2, [0, 2, 4, 6]) == "0,2|4,6"
+    with pytest.raises(ValueError, match="needs a core per rank"):
+        omp_bind(3, [0, 1])
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    cfg = serve.ServeConfig(folders[0], None, dtype="float32", extra=["--tp-size", "2"])
+    assert serve.prepare(cfg)[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in serve.prepare(serve.ServeConfig(folders[0], None))[1]
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "1|0")  # the operator's choice stays
+    assert serve.prepare(cfg)[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "1|0"

@@ -112,6 +112,13 @@ def test_tiny_plan_parts_and_fit():
     assert rep["max_context"] == int((500_000 - rep["fixed"]) / (540 * 2))
 
 
+def test_rank_0s_decisions_are_two_small_broadcasts_on_the_critical_path():
+    """ranks.py: [anchor drafts + length] and [accepted + bonus] per request, int64, once each per step."""
+    rows = [r for r in plan(TINY_TARGET, tiny_draft(), TINY_LAUNCH)["collectives"] if r["op"] == "broadcast"]
+    assert [(r["shape"], r["bytes"], r["per_step"], r["critical"]) for r in rows] == [
+        ([2, 3 + 1], 2 * 4 * 8, 1, True), ([2, 2], 2 * 2 * 8, 1, True)]
+
+
 def test_ssm_dtype_and_replayssm_flags_change_the_kda_scratch():
     bf16 = plan(TINY_TARGET, tiny_draft(), Launch(**{**vars(TINY_LAUNCH), "mamba_ssm_dtype": "bfloat16"}))
     assert bf16["caches"]["KDA verify scratch"] == 3 * 4 * (2 * 16 * 16 * 2 + 3 * 3 * 32 * B)

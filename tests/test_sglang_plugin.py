@@ -7,9 +7,11 @@ never leaks into this process) and is skipped where that venv does not exist.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,11 +19,12 @@ import torch
 from dspark_sgl.config import ConfigError, DSparkConfig
 from dspark_sgl.model.checkpoint import save_draft
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
+from dspark_sgl.sglang.args import refuse_parallelism
 from dspark_sgl.sglang.checks import TargetFacts, check_draft
 from dspark_sgl.sglang.context import DraftContextPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import cpu_env, sglang_python  # noqa: E402
+from dspark_testkit import build_random_draft, build_tiny_target, cpu_env, sglang_python  # noqa: E402
 
 TARGET = TargetFacts(hidden_size=64, vocab_size=128, num_layers=6)
 
@@ -71,6 +74,67 @@ def test_missing_or_misshaped_weights_are_named(draft_dir):
     (draft_dir / "config.json").write_text(json.dumps(raw))  # ...under a config that says 8
     with pytest.raises(ConfigError, match="markov_head.markov_w1.weight: file \\(128, 16\\) vs config \\(128, 8\\)"):
         check_draft(draft_dir, TARGET)
+
+
+# ---- parallel layouts: TP and DCP pass, PP / DP attention / DP replicas are refused, one message each ---------------
+REFUSED = {
+    "pp": ("--pp-size 2", "does not support pipeline parallelism \\(--pp-size 2\\)"),
+    "attn_dp": ("--attn-dp-size 2 --tp-size 2", "does not support DP attention \\(--attn-dp-size 2"),
+    "legacy_dp_attn": ("--dp-size 2 --enable-dp-attention --tp-size 2", "does not support DP attention"),
+    "dp": ("--dp-size 2", "does not support data-parallel replicas \\(--dp-size 2\\)"),
+}
+
+
+def _view(**kw):
+    return SimpleNamespace(**{"tp_size": 1, "dcp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1,
+                              "enable_dp_attention": False, **kw})
+
+
+@pytest.mark.parametrize(("fields", "case"), [({"pp_size": 2}, "pp"), ({"attn_dp_size": 2, "tp_size": 2}, "attn_dp"),
+                                              ({"dp_size": 2}, "dp")])
+def test_unsupported_parallelism_is_one_clear_error(fields, case):
+    with pytest.raises(ValueError, match=REFUSED[case][1]):
+        refuse_parallelism(_view(**fields))
+
+
+def test_tp_and_dcp_pass():
+    refuse_parallelism(_view(tp_size=8, dcp_size=8))
+    refuse_parallelism(_view(pp_size=None, dp_size=None, attn_dp_size=None))  # unset fields
+
+
+RESOLVE_PROBE = """
+import sys
+import sglang.srt.plugins as plugins
+from dspark_sgl.sglang import plugin
+plugin.load()
+plugins.HookRegistry.apply_hooks()
+from sglang.srt.server_args import prepare_server_args
+target, draft = sys.argv[1:3]
+base = ["--model-path", target, "--device", "cpu", "--attention-backend", "torch_native", "--speculative-algorithm",
+        "DSPARK", "--speculative-draft-model-path", draft]
+for extra in sys.argv[3:]:
+    args = prepare_server_args(base + extra.split())
+    try:
+        args.resolve_once()  # SGLang's whole resolution pipeline, our handler inside it; nothing is launched
+        print(f"{extra!r}: resolved")
+    except ValueError as e:
+        print(f"{extra!r}: refused: {e}")
+"""
+
+
+@pytest.mark.sglang
+def test_sglang_resolution_refuses_pp_and_dp_attention(tmp_path):
+    """Through SGLang's own argument resolution (each flag spelling as an operator types it): the deprecated
+    `--dp-size N --enable-dp-attention` reaches our handler as `--attn-dp-size N`, and is refused as such."""
+    target = build_tiny_target(tmp_path / "target", vocab=16)
+    draft = build_random_draft(target, tmp_path / "draft", block_size=3, target_layer_ids=[0, 1])
+    flags = ["--tp-size 2", *(f for f, _ in REFUSED.values())]
+    res = subprocess.run([str(sglang_python()), "-c", RESOLVE_PROBE, str(target), str(draft), *flags],
+                         capture_output=True, text=True, env=cpu_env(), cwd="/tmp", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "'--tp-size 2': resolved" in res.stdout, res.stdout
+    for flag, message in REFUSED.values():
+        assert re.search(f"'{flag}': refused: dspark-sgl DSPARK {message}", res.stdout), (flag, res.stdout)
 
 
 # ---- the slot-indexed draft context ------------------------------------------------------------------------------

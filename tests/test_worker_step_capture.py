@@ -1,5 +1,6 @@
 """The SGLang worker's decode step minus SGLang's own verify forward — context gather, draft block, Markov rollout,
-confidence schedule, acceptance, context commit — the calls `DSparkWorker._forward_decode` makes, in its order:
+confidence schedule, rank 0's decisions shared over TP (a no-op at one rank), acceptance, context commit — the calls
+`DSparkWorker._forward_decode` makes, in its order:
 
 - reads no device value on the host (benchmarks/step_counter.py counts none), greedy and sampled, static and
   confidence schedule, full and reduced draft vocabulary;
@@ -19,6 +20,7 @@ import torch
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.ranks import RankSync
 from dspark_sgl.sglang.sampling import SlotTokens
 from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
 from dspark_sgl.speculative.sps import SpsTable
@@ -61,23 +63,25 @@ def planner(schedule: str) -> VerifyPlanner:
 
 
 def decode_step(draft, pool, slot_tokens, plan, rows, generator, req_to_token, pool_idx, seq_lens, longest, anchor,
-                target_logits, aux, loc, positions):
-    """What DSparkWorker._forward_decode runs around SGLang's verify (target_logits/aux stand in for its output)."""
+                target_logits, aux, loc, positions, ranks=RankSync()):
+    """What DSparkWorker._forward_decode runs around SGLang's verify (target_logits/aux stand in for its output, which
+    TP's lm_head all-gather makes the same on every rank)."""
     B, W = anchor.shape[0], GAMMA + 1
     noise = step_noise(rows, generator, seq_lens)
     ctx = pool.gather(req_to_token, pool_idx, seq_lens, longest)
     h = draft.forward_step(anchor, ctx)
     prop = propose(draft, h, anchor, rows, noise)
     lengths = plan.verify_lengths(prop.conf_logits, B, anchor.device)
+    prop.tokens, lengths = ranks.share(prop.tokens, lengths)
     verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
     logits = adjust_logits(target_logits, rows, None, prop.tokens)
     acc = accept_rows(prop, logits, rows, lengths - 1, noise, "rejection")
-    c = acc.num_accepted
+    c, bonus = ranks.share(acc.num_accepted, acc.bonus)
     cols = torch.arange(W, device=anchor.device)[None]
     keep = (cols <= c[:, None]).reshape(-1)
     pool.write(loc, aux, positions, keep)
     slot_tokens.write(loc, verify_ids.reshape(-1), keep)
-    return prop.tokens, prop.logits, lengths, c, acc.bonus, seq_lens + c + 1
+    return prop.tokens, prop.logits, lengths, c, bonus, seq_lens + c + 1
 
 
 def inputs(draft: DSparkDraft, B: int, seed: int = 1):
@@ -99,7 +103,7 @@ def inputs(draft: DSparkDraft, B: int, seed: int = 1):
                 loc=loc, positions=pos.reshape(-1))
 
 
-def run(step, draft, plan, rows, x, own_generator: bool = True):
+def run(step, draft, plan, rows, x, own_generator: bool = True, ranks: RankSync | None = None):
     """One step from a copy of the pool. own_generator=False draws from torch's global generator (reseeded) instead
     of a torch.Generator object, which Dynamo cannot trace (a captured step draws its uniforms outside the graph)."""
     pool = DraftContextPool(draft, SLOTS, "cpu", torch.float32)
@@ -108,7 +112,7 @@ def run(step, draft, plan, rows, x, own_generator: bool = True):
     args = {k: v for k, v in x.items() if k != "pool"}
     torch.manual_seed(7)
     generator = torch.Generator().manual_seed(7) if own_generator else None
-    out = step(draft, pool, slot_tokens, plan, rows, generator, **args)
+    out = step(draft, pool, slot_tokens, plan, rows, generator, **args, **({"ranks": ranks} if ranks else {}))
     return (*out, pool.k.clone(), pool.v.clone(), slot_tokens.ids.clone())
 
 

@@ -25,6 +25,27 @@ def override_arg(key: str, default=None):
     return json.loads(get_model().json_model_override_args or "{}").get(key, default)
 
 
+def refuse_parallelism(cfg) -> None:
+    """One ValueError per layout the worker cannot serve; TP and DCP pass. `cfg` is SGLang's resolving view, read
+    after SGLang has turned the deprecated `--dp-size N --enable-dp-attention` into `--attn-dp-size N`."""
+    pp, attn_dp, dp = (getattr(cfg, k, 1) or 1 for k in ("pp_size", "attn_dp_size", "dp_size"))
+    if pp > 1:
+        raise ValueError(
+            f"dspark-sgl DSPARK does not support pipeline parallelism (--pp-size {pp}): the draft reads hidden states "
+            "captured across the whole target and verifies on its logits in one step, and the worker has no path "
+            "for SGLang's stage-to-stage proxy tensors. Drop --pp-size and use --tp-size.")
+    if attn_dp > 1 or getattr(cfg, "enable_dp_attention", False):
+        raise ValueError(
+            f"dspark-sgl DSPARK does not support DP attention (--attn-dp-size {attn_dp}, or --dp-size N "
+            "--enable-dp-attention): each attention-DP group schedules its own batch, so the worker would have to "
+            "draft per group and join the MoE collectives of idle groups, which it does not. Drop DP attention, or "
+            "serve with SGLang's builtin DSPARK (SGLANG_PLUGINS=none).")
+    if dp > 1:
+        raise ValueError(
+            f"dspark-sgl DSPARK does not support data-parallel replicas (--dp-size {dp}) yet (untested with this "
+            f"worker): start {dp} servers, one per replica, behind a router instead.")
+
+
 def handle_dspark_args(server_args) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
@@ -34,9 +55,7 @@ def handle_dspark_args(server_args) -> None:
         raise ValueError(f"dspark-sgl DSPARK runs on {SUPPORTED_DEVICES}, not device={device!r}")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DSPARK needs --speculative-draft-model-path (a dspark-sgl or SGLang DSpark draft folder)")
-    for flag, value in (("--pp-size", cfg.pp_size), ("--dp-size", cfg.dp_size)):
-        if value not in (None, 1):
-            raise ValueError(f"dspark-sgl DSPARK does not support {flag} {value} yet")
+    refuse_parallelism(cfg)
     draft = check_draft(
         cfg.speculative_draft_model_path,
         TargetFacts.from_path(cfg.model_path),

@@ -408,13 +408,20 @@ def collectives(target: dict, cfg: DSparkConfig, launch: Launch, gamma: int, b: 
                          critical=True))
     rows.append(dict(layout="both", who="SGLang", op="all-gather", what="target verify logits (vocab-parallel "
                      "lm_head)", shape=[R * W, V], bytes=R * W * V * b, per_step=1, critical=True))
-    rows.append(dict(layout="both", who="ours", op="none", what="acceptance, bonus tokens, commit: every rank "
-                     "computes them itself from the same logits and the same seeded generator (no broadcast)",
-                     shape=None, bytes=0, per_step=0, critical=False))
+    # ranks.py: rank 0's decisions, one packed int64 broadcast each (tiny, but the next stage waits on it)
+    rows.append(dict(layout="both", who="ours", op="broadcast", what="rank 0's draft tokens + verify length per "
+                     "request, before the verify", shape=[R, gamma + 1], bytes=R * (gamma + 1) * 8, per_step=1,
+                     critical=True))
+    rows.append(dict(layout="both", who="ours", op="broadcast", what="rank 0's accepted count + bonus token per "
+                     "request, before the commit", shape=[R, 2], bytes=R * 2 * 8, per_step=1, critical=True))
     return rows
 
 
 # ---- printing ----------------------------------------------------------------------------------------------------
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
 def print_plan(p: dict, sources: dict, out=None) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -443,10 +450,10 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
     t.add_row("[bold]total per rank[/bold]", gib(p["total"]["replicated"]), gib(p["total"]["tp-sharded"]))
     console.print(t)
     c = Table(title="collectives of one decode step (critical: the step waits on it)")
-    for col in ("layout", "who", "op", "what", "shape", "MiB each", "per step", "critical"):
+    for col in ("layout", "who", "op", "what", "shape", "each", "per step", "critical"):
         c.add_column(col)
     for r in p["collectives"]:
-        size = "-" if r["bytes"] is None else f"{r['bytes'] / 2**20:,.1f}"
+        size = "-" if r["bytes"] is None else _size(r["bytes"])
         c.add_row(r["layout"], r["who"], r["op"], escape(r["what"]), str(r["shape"] or "-"), size, str(r["per_step"]),
                   "yes" if r["critical"] else "no")
     console.print(c)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dspark_sgl.dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
-from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, cpu_server_flags, probe, server_env
+from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, cpu_server_flags, probe, server_env, tp_size_of
 
 SGLANG_VERSION = "0.5.23"
 DEVICES = ("cpu", "cuda")
@@ -122,7 +122,11 @@ def prepare(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     if absent:
         raise ServeError(f"the sglang.srt.plugins entry points {absent} are not installed for {cfg.python}: "
                          "reinstall dspark-sgl (pip install -e . or pip install dspark-sgl)")
-    env = server_env(cfg.python, facts=facts) if cfg.device == "cpu" else dict(os.environ)
+    try:
+        tp = tp_size_of(cfg.extra)
+        env = server_env(cfg.python, facts=facts, tp_size=tp) if cfg.device == "cpu" else dict(os.environ)
+    except (ValueError, IndexError) as e:
+        raise ServeError(f"--tp-size: {e}") from None
     cfg = replace(cfg, dtype=dtype_name(resolve_dtype(cfg.dtype, cfg.device, what="--dtype")))
     return [str(cfg.python), "-m", "sglang.launch_server", *server_args(cfg)], env
 

@@ -9,6 +9,7 @@ One scheduler step, with SGLang owning every KV slot:
               -> target TARGET_VERIFY over [anchor, x_1..] in the first w columns of SGLang's pre-allocated window,
                  w = the longest scheduled length in the batch (γ+1 under the static policy)
               -> the shared per-row target distribution and acceptance (dspark_sgl.speculative.rows)
+              (under TP, rank 0's drafts + verify lengths and accepted counts + bonus tokens go to every rank: ranks.py)
               -> commit anchor + accepted (target KV, draft context and token ids at the same slots)
               -> emit accepted + bonus; the bonus is the next anchor
 
@@ -42,6 +43,7 @@ from dspark_sgl.sglang.args import override_arg
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
 from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.ranks import tp_rank_sync
 from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
@@ -97,6 +99,13 @@ class DSparkWorker(BaseSpecWorker):
         self.sampling = BatchSamplingCache(self.model_runner.model_config.vocab_size, self.device,
                                            ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
         self.planner = VerifyPlanner.from_server_args(spec, self.draft)
+        self.ranks = tp_rank_sync()  # rank 0's decisions on every TP rank; a no-op at TP=1
+        if self.ranks.active and self.ranks.group.rank_in_group != 0:
+            self.planner.save_path = None  # a measured SPS table is written once, by rank 0
+            if planted("rank_sync"):  # and share() broadcasts nothing: rank 1+ drafts with another seed
+                torch.manual_seed(self.ranks.group.rank_in_group)
+                for p in self.draft.parameters():
+                    p.data.add_(torch.randn_like(p) * 0.5)
         self.times = StepTimes(self.device)
         self._stale_rows: Tensor | int = 0  # request-steps capped by a stale context, summed on the device
         self._prompts: tuple[tuple, list[int], Tensor] | None = None  # (requests, host, device) prompt lengths
@@ -208,8 +217,12 @@ class DSparkWorker(BaseSpecWorker):
             return W
         _, width, result = self._last
         done = result.copy_done
-        if result.cap_lens is None or result.cap_lens.device.type != "cpu" or (done is not None and not done.query()):
+        if result.cap_lens is None or result.cap_lens.device.type != "cpu":
             return W
+        if done is not None and not done.query():
+            if not self.ranks.active:
+                return W
+            done.synchronize()  # under TP every rank must choose the same width: wait rather than race the copy
         longest = int(result.cap_lens.max())
         return W if longest >= width else longest + 1
 
@@ -262,10 +275,9 @@ class DSparkWorker(BaseSpecWorker):
         prop = propose(self.draft, h, anchor, rows, noise)
         self.times.mark("rollout")
 
-        verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         if self.planner.needs_profile(bs):
             with self._hybrid_preserved(batch):  # extra verifies must not move a hybrid's recurrent state
-                self._profile_sps(batch, draft_input, verify_ids)
+                self._profile_sps(batch, draft_input, torch.cat((anchor[:, None], prop.tokens), 1))
         self.times.mark("probe")
         lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         key = tuple(r.rid for r in batch.reqs)
@@ -277,6 +289,8 @@ class DSparkWorker(BaseSpecWorker):
             w = self._host_width(key)
             lengths = lengths.clamp(max=w)
         lengths = self._cap_stale(lengths, ctx.stale)
+        prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)  # every rank verifies rank 0's drafts
+        verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
@@ -286,15 +300,15 @@ class DSparkWorker(BaseSpecWorker):
         rule = "block" if self.block_verification else "rejection"
         limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
         acc = accept_rows(prop, logits, rows, limit, noise, rule)
-        self.planner.record(lengths, w, acc.num_accepted)
+        c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
+        self.planner.record(lengths, w, c)
         self.times.mark("accept")
 
-        c = acc.num_accepted
         if self.hybrid is not None:  # before any other target forward: the commit reads this verify's metadata
             self.hybrid.commit(batch, seq_lens, (c + 2).clamp(max=w) if planted("hybrid_commit") else c + 1)
         cols = torch.arange(W, device=self.device)[None]
         out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
-        out_tokens.scatter_(1, c[:, None], acc.bonus[:, None])
+        out_tokens.scatter_(1, c[:, None], bonus[:, None])
         keep = (cols[:, :w] <= c[:, None]).reshape(-1)  # the anchor and the accepted drafts now hold target KV
         if planted("context_keep"):  # shifted by one: x_1..x_{c+1}, not the anchor..x_c
             keep = ((cols[:, :w] >= 1) & (cols[:, :w] <= c[:, None] + 1)).reshape(-1)
@@ -320,7 +334,7 @@ class DSparkWorker(BaseSpecWorker):
             cap_lens=lengths.to(torch.int32),
             block_accept_lens=accept_lens,
             can_run_cuda_graph=can_run_graph,
-            next_draft_input=make_draft_input_v2(bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens),
+            next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W,
             new_seq_lens=new_seq_lens,
         )

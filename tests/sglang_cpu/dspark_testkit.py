@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env
+from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env, tp_size_of
 from dspark_sgl.sglang.serve import CPU_SERVER_ARGS as PRODUCT_CPU_ARGS
 
 HERE = Path(__file__).resolve().parent
@@ -51,10 +51,10 @@ def _facts(py: Path) -> dict:
     return facts
 
 
-def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The product's CPU server environment (stand-ins the sglang venv lacks), plus `extra`."""
+def cpu_env(extra: dict[str, str] | None = None, tp_size: int = 1) -> dict[str, str]:
+    """The product's CPU server environment (stand-ins the sglang venv lacks, each TP rank's cores), plus `extra`."""
     py = sglang_python()
-    env = server_env(py, facts=_facts(py)) if py else dict(os.environ)
+    env = server_env(py, facts=_facts(py), tp_size=tp_size) if py else dict(os.environ)
     env.update(extra or {})
     return env
 
@@ -88,7 +88,7 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
     def process_env(self) -> dict[str, str]:
-        return cpu_env(self.env)
+        return cpu_env(self.env, tp_size_of(self.extra_args))
 
     def start(self, timeout: float = 600.0) -> Server:
         cmd = self.command()

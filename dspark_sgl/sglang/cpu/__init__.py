@@ -64,14 +64,42 @@ def probe(python: str | Path, env: dict[str, str] | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def server_env(python: str | Path, base: dict[str, str] | None = None, facts: dict | None = None) -> dict[str, str]:
-    """Environment for a CPU SGLang process run by `python`: SGLang's CPU engine switch plus the stand-ins it lacks.
+def tp_size_of(args: list[str]) -> int:
+    """The --tp-size (or --tensor-parallel-size) in a launch_server argument list; the last one wins, as in argparse."""
+    tp = 1
+    for i, a in enumerate(args):
+        name, _, value = a.partition("=")
+        if name in ("--tp-size", "--tensor-parallel-size", "--tp"):
+            tp = int(value or args[i + 1])
+    return tp
+
+
+def omp_bind(tp_size: int, cores: list[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `tp_size` ranks: this process's cores in `tp_size` equal runs, "0-3|4-7" ("0|1").
+
+    SGLang's CPU TP asserts one NUMA node per rank unless this names each rank's cores (utils/numa_utils.py
+    init_threads_binding); a 2-core, one-node box runs TP=2 only with it."""
+    cores = sorted(cores)
+    if tp_size > len(cores):
+        raise ValueError(f"--tp-size {tp_size} on a CPU needs a core per rank; this process may use {len(cores)}")
+    per = len(cores) // tp_size
+    runs = [cores[r * per:(r + 1) * per] for r in range(tp_size)]
+    return "|".join(f"{r[0]}-{r[-1]}" if len(r) > 1 and r[-1] - r[0] == len(r) - 1 else ",".join(map(str, r))
+                    for r in runs)
+
+
+def server_env(python: str | Path, base: dict[str, str] | None = None, facts: dict | None = None,
+               tp_size: int = 1) -> dict[str, str]:
+    """Environment for a CPU SGLang process run by `python`: SGLang's CPU engine switch plus the stand-ins it lacks,
+    and with TP the cores of each rank (unless the caller names them).
 
     `facts` is a `probe(python)` answer already in hand (saves a second interpreter start).
     """
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # else SGLang imports vllm's rotary embedding
     env.setdefault("OMP_NUM_THREADS", "1")
+    if tp_size > 1:
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", omp_bind(tp_size, list(os.sched_getaffinity(0))))
     facts = facts or probe(python, env)
     paths = [str(STANDINS[name]) for name in facts["missing"]]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, _user_pythonpath(env)) if p)

@@ -1,0 +1,54 @@
+"""Every TP rank commits the same tokens: rank 0's per-step decisions, broadcast to its TP group (no-op at TP=1).
+
+Under tensor parallelism every rank runs the whole (replicated) draft and the whole acceptance, on target logits the
+lm_head all-gather has made identical. They still compute the same numbers only while every input agrees to the bit:
+one near-tie broken differently by another reduction order, one random draw from a generator in another state, one
+SPS table timed on another rank, and rank 1 verifies other drafts than rank 0 (its target forward then meets rank 0's
+in the same all-reduces) or commits other tokens into the same sequence. So, as SGLang's builtin does
+(`srt/speculative/spec_tp_sync.py`), the decisions of a decode step come from rank 0, at two points:
+
+    before the verify : each request's draft tokens and verify length   (what the target runs on)
+    after acceptance  : each request's accepted count and bonus token   (what is committed and emitted)
+
+Everything else in the step (out tokens, context and KV commits, the hybrid state commit, the next anchor) follows
+from these and the all-gathered logits. Each point is ONE broadcast of one packed int64 tensor [bs, k] (γ+1 and 2
+columns: under a kilobyte at 32 requests), on the device, with no host sync. At TP=1 `share` hands back its inputs
+untouched: no collective, no copy, no sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dspark_sgl.faults import planted
+
+
+class RankSync:
+    """`share(a, b, ...)`: rank 0's values of per-request tensors ([bs] or [bs, k], integer) on every rank.
+
+    `group` is anything with `world_size` and `broadcast(tensor, src)` that fills `tensor` in place on every rank
+    from group-local rank `src` (SGLang's GroupCoordinator: its TP group); None or one rank: a no-op."""
+
+    def __init__(self, group=None):
+        self.group = group if group is not None and group.world_size > 1 else None
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None
+
+    def share(self, *values: Tensor) -> tuple[Tensor, ...]:
+        if self.group is None or planted("rank_sync"):
+            return values
+        columns = [v.reshape(v.shape[0], -1) for v in values]
+        packed = torch.cat([c.long() for c in columns], 1)  # one collective for all of them
+        self.group.broadcast(packed, src=0)
+        out = packed.split([c.shape[1] for c in columns], 1)
+        return tuple(o.to(v.dtype).reshape(v.shape) for o, v in zip(out, values, strict=True))
+
+
+def tp_rank_sync() -> RankSync:
+    """The worker's RankSync over SGLang's TP group (DP attention, whose groups differ, is refused in args.py)."""
+    from sglang.srt.distributed import get_tp_group
+
+    return RankSync(get_tp_group())

@@ -1,0 +1,109 @@
+"""Every TP rank commits rank 0's decisions (dspark_sgl/sglang/ranks.py), on two gloo processes on the CPU.
+
+Each process runs the worker's decode step (tests/test_worker_step_capture.py's `decode_step`, the calls
+`DSparkWorker._forward_decode` makes around SGLang's verify) on the same target logits and hidden states, which the
+lm_head all-gather makes identical under TP, but rank 1's draft has other weights (a rank that drafts with another
+seed): with the broadcast, both ranks verify and commit the same drafts, counts, bonus tokens and slot token ids;
+planted without it (`rank_sync`), they do not. At one rank `share` is the identity (and the step stays sync-free:
+test_worker_step_capture.py). Cost: one spawn of two processes per test, ~10 s on an idle 2-core box.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dspark_sgl.faults import plant
+from dspark_sgl.sglang.ranks import RankSync
+
+FIELDS = ("tokens", "draft_logits", "lengths", "accepted", "bonus", "seq_lens", "context_k", "context_v", "slot_ids")
+
+
+class GlooGroup:
+    """The part of SGLang's GroupCoordinator that RankSync uses, over torch.distributed's default (gloo) group."""
+
+    def __init__(self):
+        self.world_size, self.rank_in_group, self.calls = dist.get_world_size(), dist.get_rank(), 0
+
+    def broadcast(self, tensor, src: int = 0):
+        self.calls += 1
+        dist.broadcast(tensor, src=src)
+        return tensor
+
+
+def _rank(rank: int, store: str, out: str, planted: str | None) -> None:
+    from tests.test_worker_step_capture import decode_step, inputs, make_draft, make_rows, planner, run
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = GlooGroup()
+    ranks = RankSync(group)
+    results = {}
+    with plant(planted), torch.no_grad():
+        # the helper alone: shapes and dtypes kept, every rank holds rank 0's values
+        own = (torch.arange(6).view(3, 2) + 10 * rank, torch.tensor([1, 2, 3], dtype=torch.int32) * (rank + 1))
+        results["helper"] = ranks.share(*own)
+        draft = make_draft("full")
+        if rank:  # another draft on rank 1: its proposals and confidences differ from rank 0's
+            torch.manual_seed(rank)
+            for p in draft.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        for mode, schedule in (("greedy", "static"), ("sampled", "confidence")):
+            x, rows = inputs(draft, 4, seed=3), make_rows(mode, 4)  # same seed: the target's side is shared
+            results[mode] = dict(zip(FIELDS, run(decode_step, draft, planner(schedule), rows, x, ranks=ranks),
+                                     strict=True))
+    results["broadcasts"] = group.calls
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def two_ranks(tmp_path: Path, planted: str | None = None) -> tuple[dict, dict]:
+    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path), planted), nprocs=2, join=True)
+    return torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+
+
+RANK_OWN = {"draft_logits", "context_k", "context_v"}  # made by each rank's own draft weights: never shared
+
+
+def disagreements(r0: dict, r1: dict) -> list[str]:
+    """The committed fields that differ between the ranks. Which slots got context is committed (`slot_ids` are
+    written under the same keep mask); the context K/V values are rank 1's own draft's projections."""
+    return [f"{mode}.{f}" for mode in ("greedy", "sampled") for f in FIELDS
+            if f not in RANK_OWN and not torch.equal(r0[mode][f], r1[mode][f])]
+
+
+def test_one_rank_is_the_identity():
+    a, b = torch.arange(4), torch.ones(4, 2, dtype=torch.int32)
+
+    class One:
+        world_size = 1
+
+        def broadcast(self, *_):
+            raise AssertionError("no collective at one rank")
+
+    for ranks in (RankSync(), RankSync(One())):
+        assert not ranks.active
+        shared = ranks.share(a, b)
+        assert shared[0] is a and shared[1] is b
+
+
+def test_two_ranks_commit_rank_0s_decisions(tmp_path):
+    r0, r1 = two_ranks(tmp_path)
+    tokens, lengths = r1["helper"]
+    assert torch.equal(tokens, torch.arange(6).view(3, 2)) and tokens.dtype == torch.int64
+    assert torch.equal(lengths, torch.tensor([1, 2, 3], dtype=torch.int32)) and lengths.dtype == torch.int32
+    assert r0["broadcasts"] == r1["broadcasts"] == 1 + 2 * 2  # one per share: two per decode step
+    assert not torch.equal(r0["sampled"]["draft_logits"], r1["sampled"]["draft_logits"])  # the drafts do differ
+    assert disagreements(r0, r1) == []
+
+
+@pytest.mark.planted
+def test_planted_unshared_ranks_diverge(tmp_path):
+    """Without the broadcast the ranks verify and commit different tokens: the agreement check above fails."""
+    r0, r1 = two_ranks(tmp_path, planted="rank_sync")
+    assert r1["broadcasts"] == 0
+    assert "greedy.tokens" in disagreements(r0, r1) and "sampled.tokens" in disagreements(r0, r1)

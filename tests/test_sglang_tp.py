@@ -1,0 +1,89 @@
+"""Real SGLang 0.5.23 at `--tp-size 2` on the CPU (gloo; one process and one core per rank): plain and DSPARK.
+
+At T = 0, fp32, static schedule: plain TP=2 returns plain TP=1's tokens, and DSPARK TP=2 returns them too, with each
+request's per-step accepted-count histogram equal to the reference engine's (dspark_sgl.speculative.engine, one
+process) on the same target and draft. Every rank runs the draft; rank 0's drafts, verify lengths, accepted counts
+and bonus tokens are broadcast to the other (dspark_sgl/sglang/ranks.py). Planted `rank_sync` (rank 1 drafts with
+other weights and nothing is broadcast) must be caught: other tokens, other histograms, or a server that fails.
+
+Target: the testkit's tiny random 8-token Llama (4 heads, 2 KV heads: splits over 2 ranks); draft: the random GQA
+draft with the bigram table of the target's greedy outputs in its Markov head (as tests/test_sglang_mla.py), so its
+proposals depend on the draft context written from the target's TP=2 hidden states. Four servers (plain TP1, plain
+TP2, DSPARK TP2, planted DSPARK TP2); cost printed in docs/serving.md ("Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
+from dspark_testkit import (  # noqa: E402
+    Server,
+    build_random_draft,
+    build_tiny_target,
+    reference_accept,
+    served_hists,
+)
+
+from dspark_sgl.faults import ENV  # noqa: E402
+from tests.test_sglang_sampling import PROMPTS  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.timeout(2400)]  # 4 servers, <= 600 s each
+V, GAMMA, MAX_NEW = 8, 3, 24
+TP2 = ["--tp-size", "2"]
+STATIC = {"SGLANG_RAGGED_VERIFY_MODE": "static"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("tp")
+    target = build_tiny_target(tmp / "target", vocab=V)
+    with Server(target) as s:
+        plain = [o["output_ids"] for o in s.generate(PROMPTS, MAX_NEW, ignore_eos=True)]
+    seqs = [p + o for p, o in zip(PROMPTS, plain, strict=True)]
+    draft = build_random_draft(target, tmp / "draft", block_size=GAMMA, std=0.5, sequences=seqs, scale=3.0,
+                               target_layer_ids=[0, 1, 2])
+    ref = reference_accept(target, draft, PROMPTS, MAX_NEW)
+    assert ref["plain"] == plain and ref["outputs"] == plain
+    return {"target": target, "draft": draft, "plain": plain, "ref": ref["hists"]}
+
+
+def dspark(setup) -> list[str]:
+    return [*TP2, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(setup["draft"]),
+            "--speculative-dspark-block-size", str(GAMMA)]
+
+
+def test_plain_tp2_equals_plain_tp1(setup):
+    with Server(setup["target"], TP2) as s:
+        out = [o["output_ids"] for o in s.generate(PROMPTS, MAX_NEW, ignore_eos=True)]
+    assert out == setup["plain"]
+
+
+def test_dspark_tp2_is_lossless_and_accepts_as_the_reference_engine(setup):
+    with Server(setup["target"], dspark(setup), env=STATIC) as s:
+        out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+    hists = served_hists(out, GAMMA)
+    print(f"TP2 DSPARK: served {hists} reference {setup['ref']}")
+    assert [o["output_ids"] for o in out] == setup["plain"]
+    assert hists == setup["ref"]
+    assert sum(h[c] * c for h in hists for c in range(GAMMA + 1)) > 0  # drafts were accepted: the check has teeth
+
+
+@pytest.mark.planted
+def test_planted_rank_divergence_is_caught(setup):
+    """Rank 1 drafts with other weights and nothing is broadcast: rank 1 verifies other tokens than rank 0 inside
+    the same all-reduces, so rank 0's logits (and its tokens or histograms) change, or the ranks' batches drift
+    apart until a collective fails."""
+    with Server(setup["target"], dspark(setup), env={**STATIC, ENV: "rank_sync"}) as s:
+        try:
+            out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            print(f"planted rank_sync: the server failed ({e!r})")
+            return
+        hists = served_hists(out, GAMMA)
+    print(f"planted rank_sync: served {hists} reference {setup['ref']}")
+    assert [o["output_ids"] for o in out] != setup["plain"] or hists != setup["ref"]
