@@ -184,9 +184,17 @@ def health(server: ServeCommand) -> int | None:
 
 
 # ---- 3. the server killed while it records traffic -----------------------------------------------------------
+def recorded_count(server: ServeCommand) -> int:
+    """Records written so far (/server_info sweeps the finished requests into the file first)."""
+    return server.get("/server_info")["internal_states"][0]["dspark_info_record"]["traffic"]["recorded"]
+
+
+def torn(path: Path) -> bool:
+    return path.exists() and not path.read_bytes().endswith(b"\n")
+
+
 def kill_server_while_recording(server: ServeCommand, prompt_ids, traffic: Path) -> dict:
-    # /server_info sweeps the finished requests into the file first
-    recorded = server.get("/server_info")["internal_states"][0]["dspark_info_record"]["traffic"]["recorded"]
+    recorded = recorded_count(server)
     body = {"sampling_params": {**GREEDY, "max_new_tokens": LONG_NEW}}
     load = [threading.Thread(target=post, args=(server.url, "/generate", {**body, "input_ids": ids}, 60), daemon=True)
             for ids in prompt_ids]
@@ -195,15 +203,18 @@ def kill_server_while_recording(server: ServeCommand, prompt_ids, traffic: Path)
     crash = post(server.url, "/generate", {"input_ids": prompt_ids[0], "rid": CRASH_RID,
                                            "sampling_params": {**GREEDY, "max_new_tokens": 4}}, timeout=60)
     path = traffic / "samples.jsonl"
-    if path.read_bytes().endswith(b"\n"):  # not recorded yet: the next step or a sweep records it (and crashes)
+    if not torn(path):  # not recorded yet: the next step, or this sweep, records it (and dies)
         try:
             server.get("/server_info", timeout=10)
         except Exception:  # the scheduler died answering it
             pass
     deadline = time.time() + 120
-    while time.time() < deadline and path.read_bytes().endswith(b"\n"):
+    while time.time() < deadline and not torn(path):
         time.sleep(0.5)
-    os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)  # kill -9 the whole server, whatever is left of it
+    try:  # kill -9 the whole server, whatever is left of it
+        os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)
+    except ProcessLookupError:  # SGLang took itself down when its scheduler died
+        pass
     server.proc.wait(timeout=30)
     return {"recorded_before": recorded, "crash_request": crash[0], "data": path.read_bytes(),
             "mode": path.stat().st_mode & 0o777}
@@ -227,6 +238,7 @@ def faults(smollm2_dir, tmp_path_factory) -> dict:
     out = {"plain": plain, "traffic_dir": traffic, "target": target}
     with ServeCommand(target, serve_args=serve_args, env={"DSPARK_SGL_CRASH": f"traffic_write:{CRASH_RID}"},
                       port=port_in()) as server:
+        out["recorded_at_start"] = recorded_count(server)  # SGLang's warm-up request
         out["before"] = greedy(server, prompt_ids)
         out["idle"] = soak.pools(server)
         out["publish"] = kill_trainer_mid_publish(server, target, work / "trainer", prompt_ids)
@@ -276,7 +288,11 @@ def test_a_server_killed_while_recording_leaves_whole_records_the_trainer_reads(
         json.loads(torn)
     records = [json.loads(line) for line in whole.split(b"\n")]
     assert [r["id"] for r in records] == list(range(len(records)))
-    assert len(records) >= max(t["recorded_before"], 1)
+    # exactly the requests that finished: the greedy ones (4 calls) and any in-flight one that beat the aborts; no
+    # aborted request, no health check (1 token < min_generated)
+    finished = 4 * len(PROMPTS) + faults["abort"]["finish"].count("length")
+    assert len(records) == t["recorded_before"] == faults["recorded_at_start"] + finished, (
+        len(records), t["recorded_before"], faults["recorded_at_start"], finished)
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) and any(r["loss_mask"]) for r in records)
     assert t["mode"] == 0o600
 
