@@ -170,7 +170,7 @@ def abort_all_during_swap(server: ServeCommand, prompt_ids, swap: Path) -> dict:
     return {"streams": [(s.status, s.first is not None) for s in streams], "steps": steps, "update": update,
             "answered": len(answers), "finish": finish, "record": soak.draft_record(server),
             "health": health(server),
-            "after": greedy(server, prompt_ids), "pools": soak.pools(server)}
+            "after": greedy(server, prompt_ids), "pools": soak.pools(server), "traffic": traffic_info(server)}
 
 
 def health(server: ServeCommand) -> int | None:
@@ -184,9 +184,13 @@ def health(server: ServeCommand) -> int | None:
 
 
 # ---- 3. the server killed while it records traffic -----------------------------------------------------------
+def traffic_info(server: ServeCommand) -> dict:
+    """The recorder's counters (/server_info sweeps the finished requests into the file first)."""
+    return server.get("/server_info")["internal_states"][0]["dspark_info_record"]["traffic"]
+
+
 def recorded_count(server: ServeCommand) -> int:
-    """Records written so far (/server_info sweeps the finished requests into the file first)."""
-    return server.get("/server_info")["internal_states"][0]["dspark_info_record"]["traffic"]["recorded"]
+    return traffic_info(server)["recorded"]
 
 
 def torn(path: Path) -> bool:
@@ -274,6 +278,7 @@ def test_aborting_every_request_during_a_swap_leaves_the_server_healthy_and_loss
     idle, now = faults["idle"], a["pools"]
     assert (now["kv_free_tokens"], now["req_slots_free"]) == (idle["kv_free_tokens"], idle["req_slots_free"]), (idle,
                                                                                                               now)
+    assert a["traffic"]["live"] == 0, a["traffic"]  # the recorder let go of every aborted request too
 
 
 def test_a_server_killed_while_recording_leaves_whole_records_the_trainer_reads(faults, tmp_path):

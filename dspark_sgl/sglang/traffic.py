@@ -176,4 +176,5 @@ class TrafficRecorder:
 
     def info(self) -> dict:
         return {"path": str(self.path), "recorded": self.recorded, "skipped": self.skipped, "bytes": self.bytes,
-                "full": self.full, "sample_rate": self.cfg.sample_rate, "keep": self.cfg.keep}
+                "full": self.full, "sample_rate": self.cfg.sample_rate, "keep": self.cfg.keep,
+                "live": len(self.live)}  # requests seen and not finished: 0 at idle, or some leaked
