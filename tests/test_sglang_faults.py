@@ -4,7 +4,7 @@ a random block-3 draft), recording its traffic, in this order:
 1. kill -9 the trainer in the middle of a publish: its publish step (tests/sglang_cpu/publish_step.py: export, then
    training.publish's pause -> update -> continue) dies by DSPARK_SGL_CRASH=publish_paused right after pausing the
    server, the worst point: nothing else would ever continue it. The server must serve on (its pause lease,
-   `dspark_pause_lease_s`, set short here) with the old draft, greedy answers unchanged, and the resumed trainer's next
+   `dspark_pause_lease_s`, 5 s here) with the old draft, greedy answers unchanged, and the resumed trainer's next
    publish must succeed.
 2. abort every in-flight request at once during a live swap: with long requests running (half streamed), the swap is
    the trainer's sequence split open: pause, `/abort_request` abort_all plus every streaming client disconnecting,
@@ -53,7 +53,7 @@ MAX_NEW = 16
 LONG_NEW = 96  # the in-flight requests that get aborted
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little"]
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-LEASE_S = 3  # the server's pause lease (the product default is 60 s)
+LEASE_S = 5  # the server's pause lease (the product default is 60 s)
 CRASH_RID = "fault-torn-record"  # the request whose traffic record tears
 IN_FLIGHT = 8  # requests running when every one is aborted (half streamed)
 JSON = {"Content-Type": "application/json"}
@@ -110,6 +110,14 @@ def trainer_step(target: Path, out: Path, url: str, step: int, crash: str | None
     return {"rc": res.returncode, "results": results, "stderr": res.stderr[-2000:]}
 
 
+def survive(fn, *args):
+    """fn's answer, or the exception's repr (a server that stopped answering fails the asserts, not the fixture)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return repr(e)
+
+
 # ---- 1. the trainer killed mid-publish -------------------------------------------------------------------------
 def kill_trainer_mid_publish(server: ServeCommand, target: Path, out: Path, prompt_ids) -> dict:
     before = soak.draft_record(server)
@@ -117,7 +125,7 @@ def kill_trainer_mid_publish(server: ServeCommand, target: Path, out: Path, prom
     t0 = time.perf_counter()
     after_kill = greedy(server, prompt_ids)  # waits while the server is paused: its lease must end the pause
     waited = time.perf_counter() - t0
-    record_after_kill = soak.draft_record(server)
+    record_after_kill = survive(soak.draft_record, server)
     resumed = trainer_step(target, out, server.url, 2)
     return {"before": before, "killed": killed, "after_kill": after_kill, "waited_s": waited,
             "record_after_kill": record_after_kill, "resumed": resumed,
@@ -237,12 +245,15 @@ def faults(smollm2_dir, tmp_path_factory) -> dict:
     (swap / "publish.json").write_text(json.dumps({"version": "swap", "step": 7}) + "\n")
     plain = plain_reference(target, first, prompt_ids)
     traffic = work / "traffic"
-    override = {"dspark_traffic": {"dir": str(traffic), "min_generated": 1}, "dspark_pause_lease_s": LEASE_S}
+    override = {"dspark_traffic": {"dir": str(traffic)}, "dspark_pause_lease_s": LEASE_S}
     serve_args = ["--draft", str(first), "--json-model-override-args", json.dumps(override)]
     out = {"plain": plain, "traffic_dir": traffic, "target": target}
     with ServeCommand(target, serve_args=serve_args, env={"DSPARK_SGL_CRASH": f"traffic_write:{CRASH_RID}"},
                       port=port_in()) as server:
-        out["recorded_at_start"] = recorded_count(server)  # SGLang's warm-up request
+        deadline = time.time() + 120
+        while "ready to roll" not in server.log() and time.time() < deadline:  # SGLang's warm-up request is done
+            time.sleep(0.5)
+        out["recorded_at_start"] = recorded_count(server)  # that warm-up request, recorded
         out["before"] = greedy(server, prompt_ids)
         out["idle"] = soak.pools(server)
         out["publish"] = kill_trainer_mid_publish(server, target, work / "trainer", prompt_ids)
