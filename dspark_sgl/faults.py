@@ -28,12 +28,22 @@ The sites (docs/testing.md has the table of which test catches which):
     rank_sync       - under TP, rank 0's drafts, verify lengths, accepted counts and bonus tokens are not broadcast:
                       each rank keeps its own decisions (sglang/ranks.py RankSync.share), and the worker's draft on
                       ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
+
+Planted crashes, the same way: `DSPARK_SGL_CRASH=<site>[:<key>]` makes the process SIGKILL itself at that site (with
+a key, only where the site's key matches), leaving whatever a `kill -9` at the worst moment would leave. The fault
+tests (tests/test_sglang_faults.py) check that nothing is lost or left stuck after it:
+    publish_paused  - the trainer's publish (training.publish.push), with the server paused for the swap and the update
+                      not yet sent
+    traffic_write   - the server's traffic recorder (sglang/traffic.py), with half of one record's line written and
+                      flushed; key: the request id (rid) whose record tears
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import contextmanager
+from typing import NoReturn
 
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
@@ -65,3 +75,31 @@ def plant(name: str | None):
         yield
     finally:
         _active = saved
+
+
+CRASH_ENV = "DSPARK_SGL_CRASH"
+CRASHES = frozenset({"publish_paused", "traffic_write"})
+
+
+def _crash_spec(value: str | None) -> tuple[str, str | None] | None:
+    if not value:
+        return None
+    site, _, key = value.partition(":")
+    if site not in CRASHES:
+        raise ValueError(f"{CRASH_ENV}={value!r} names no crash site; known: {', '.join(sorted(CRASHES))}")
+    return site, key or None
+
+
+_crash = _crash_spec(os.environ.get(CRASH_ENV))
+
+
+def crash_due(site: str, key: str | None = None) -> bool:
+    """Whether this process is to die at `site` (always False outside tests); the caller leaves its partial work
+    behind, then calls `crash()`."""
+    return _crash is not None and _crash[0] == site and _crash[1] in (None, key)
+
+
+def crash() -> NoReturn:
+    """kill -9 of this very process: no finally blocks, no atexit, no flushing of buffers."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise SystemExit(137)  # not reached

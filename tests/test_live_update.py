@@ -3,9 +3,13 @@ and the trainer's publisher against a stand-in HTTP server. The real-SGLang run 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
@@ -384,6 +388,36 @@ def test_the_trainer_reads_a_rotated_recording_once_in_order(tmp_path, monkeypat
     assert [s.id for s in samples] == list(range(7)) and [s.input_ids for s in samples] == tokens
 
 
+RECORD_THEN_CRASH = """
+import sys
+from types import SimpleNamespace
+from dspark_sgl.sglang.traffic import TrafficConfig, TrafficRecorder
+rec = TrafficRecorder(TrafficConfig(dir=sys.argv[1]))
+for rid in ("kept", "torn", "never"):
+    rec._record(SimpleNamespace(origin_input_ids=[1, 2, 3], output_ids=[4, 5, 6], rid=rid, finished_reason=None))
+"""
+
+
+def test_a_recorder_killed_mid_write_leaves_whole_records_and_one_torn_line(tmp_path):
+    """DSPARK_SGL_CRASH=traffic_write:torn (dspark_sgl/faults.py) kills the process with half of that record written:
+    the trainer's reader drops the torn line, a restarted recorder cuts it. The served run: test_sglang_faults.py."""
+    env = os.environ | {"DSPARK_SGL_CRASH": "traffic_write:torn"}
+    res = subprocess.run([sys.executable, "-c", RECORD_THEN_CRASH, str(tmp_path)], env=env, capture_output=True)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    path = tmp_path / "samples.jsonl"
+    whole, _, torn = path.read_text().rpartition("\n")
+    assert json.loads(whole)["id"] == 0 and torn.startswith('{"id": 1, "input_ids": [1, 2, 3, 4')
+    assert sorted(read_cache(path)) == [0]
+    again = TrafficRecorder(TrafficConfig(dir=str(tmp_path)))
+    assert path.read_text() == whole + "\n" and again.next_id == 1
+
+
+def test_a_crash_site_must_be_known():
+    res = subprocess.run([sys.executable, "-c", "import dspark_sgl.faults"], capture_output=True, text=True,
+                         env=os.environ | {"DSPARK_SGL_CRASH": "publish_pasued"})
+    assert res.returncode == 1 and "names no crash site" in res.stderr and "publish_paused" in res.stderr
+
+
 def test_traffic_file_is_readable_by_its_owner_only(tmp_path):
     """Recorded traffic holds users' prompts: 0600 whatever the umask, and a wider file from before is narrowed."""
     old = os.umask(0o022)
@@ -470,6 +504,69 @@ def test_publisher_pauses_updates_continues_and_journals(tmp_path):
         assert [x["success"] for x in lines] == [True, True, False]
     finally:
         server.shutdown()
+
+
+PUSH_THEN_CRASH = "import sys; from training.publish import push; push(sys.argv[1], sys.argv[2])"
+
+
+def test_a_trainer_killed_mid_publish_leaves_the_server_paused_until_its_lease(tmp_path):
+    """DSPARK_SGL_CRASH=publish_paused: the trainer dies after /pause_generation, before the update and the
+    continue. Nothing it could do would end that pause (hence the server's lease, next test); the served run:
+    tests/test_sglang_faults.py."""
+    server = HTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Fake.calls = []
+    try:
+        res = subprocess.run([sys.executable, "-c", PUSH_THEN_CRASH, f"http://127.0.0.1:{server.server_port}",
+                              str(tmp_path)], env=os.environ | {"DSPARK_SGL_CRASH": "publish_paused"},
+                             capture_output=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    assert [p for p, _ in _Fake.calls] == ["/pause_generation"]
+
+
+class _PausingManager:
+    """What lease_pause wraps: SGLang's TokenizerManager's pause state and its two calls."""
+
+    def __init__(self, lease: float):
+        self.server_args = SimpleNamespace(json_model_override_args=json.dumps({"dspark_pause_lease_s": lease}))
+        self.is_pause, self.continued = False, 0
+
+    async def pause_generation(self, obj):
+        self.is_pause = True
+
+    async def continue_generation(self, obj):
+        self.is_pause, self.continued = False, self.continued + 1
+
+
+def test_a_pause_ends_by_itself_after_its_lease_and_only_its_own(monkeypatch):
+    from dspark_sgl.sglang import weights
+
+    monkeypatch.setattr(weights, "_continue_request", lambda: "continue")
+    pause = _PausingManager.pause_generation
+
+    async def scenario() -> list:
+        seen = []
+        tm = _PausingManager(lease=0.5)
+        await weights.lease_pause(pause, tm, "in_place")  # the pauser dies: nobody continues
+        await asyncio.sleep(0.7)
+        seen.append((tm.is_pause, tm.continued))  # the lease ended it
+        await weights.lease_pause(pause, tm, "in_place")
+        await tm.continue_generation("continue")  # a pauser that lives
+        await asyncio.sleep(0.25)
+        await weights.lease_pause(pause, tm, "in_place")  # a newer pause: the older lease (due at 0.5) leaves it
+        await asyncio.sleep(0.4)
+        seen.append((tm.is_pause, tm.continued))
+        await asyncio.sleep(0.4)
+        seen.append((tm.is_pause, tm.continued))  # its own lease ended it
+        off = _PausingManager(lease=0)
+        await weights.lease_pause(pause, off, "in_place")
+        await asyncio.sleep(0.1)
+        seen.append((off.is_pause, off.continued))  # lease 0: paused until told
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, 1), (True, 2), (False, 3), (True, 0)]
 
 
 def test_publisher_sends_the_admin_key_from_the_environment_and_never_writes_it(tmp_path, monkeypatch):

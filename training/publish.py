@@ -5,9 +5,10 @@ Recipe section `publish` (`PublishConfig`): every `every_steps` optimizer steps 
 SGLang's own endpoint, `/update_weights_from_disk` (the server must see the folder: same host or a shared
 filesystem). With `pause` the server is paused in place around the swap (`/pause_generation` mode `in_place`, then
 `/continue_generation`): requests in flight stop between two steps and continue with the new draft, so the update
-never waits for them to finish. The server validates the update and keeps its old draft if it refuses; the trainer
-logs the answer (`<out_dir>/publish.jsonl`) and keeps training. The served version shows in the server's
-`/server_info` (internal_states[0].dspark_info_record.draft_update).
+never waits for them to finish; a trainer killed between the two leaves the pause to the server's lease
+(`dspark_pause_lease_s`, dspark_sgl/sglang/weights.py), after which it serves on. The server validates the update
+and keeps its old draft if it refuses; the trainer logs the answer (`<out_dir>/publish.jsonl`) and keeps training.
+The served version shows in the server's `/server_info` (internal_states[0].dspark_info_record.draft_update).
 
 A server started with SGLang's `--admin-api-key` refuses these calls (401) without the key. `admin_key_env` names the
 environment variable that holds it (the key itself never sits in the recipe, and is never logged or journalled); the
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dspark_sgl.faults import crash, crash_due
 from dspark_sgl.sglang.weights import RELEASE_FILE  # the server reads it; weights.py imports no sglang at load
 
 
@@ -102,6 +104,8 @@ def push(url: str, folder: str | Path, pause: bool = True, timeout: float = 300.
     t0 = time.perf_counter()
     if pause:
         _call(url, "/pause_generation", {"mode": "in_place"}, timeout, key)
+    if crash_due("publish_paused"):  # tests only: the trainer dies here, the server paused (its pause lease ends it)
+        crash()
     try:
         status, out = _call(url, "/update_weights_from_disk",
                             {"model_path": str(Path(folder).resolve()), "flush_cache": False}, timeout, key)

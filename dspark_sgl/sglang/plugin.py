@@ -30,6 +30,7 @@ SPEC_ARGS_TARGET = "sglang.srt.arg_groups.speculative_hook.handle_speculative_de
 DISK_UPDATE_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
                       "update_weights_from_disk")
 MODEL_PATH_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._update_model_path_info"
+PAUSE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation"  # a pause with a lease
 
 
 def _announce(message: str) -> None:
@@ -65,13 +66,14 @@ def load() -> None:
     from dspark_sgl.sglang.capture import register_hooks as register_capture_hooks
     from dspark_sgl.sglang.guard import refuse_bad_batch, refuse_bad_body, refuse_bad_request, refuse_empty_batch
     from dspark_sgl.sglang.sampling import refuse_unsupported_request
-    from dspark_sgl.sglang.weights import keep_served_model_path, route_disk_update
+    from dspark_sgl.sglang.weights import keep_served_model_path, lease_pause, route_disk_update
     from dspark_sgl.sglang.worker import DSparkWorker
 
     register_capture_hooks()  # training capture; a no-op unless the model override asks for it
     register_mla_draft_config()
     HookRegistry.register(DISK_UPDATE_TARGET, route_disk_update, HookType.AROUND)
     HookRegistry.register(MODEL_PATH_TARGET, keep_served_model_path, HookType.AROUND)
+    HookRegistry.register(PAUSE_TARGET, lease_pause, HookType.AROUND)  # every server: weights.py
     HookRegistry.register(VALIDATE_TARGET, refuse_bad_request, HookType.BEFORE)  # every server: guard.py
     HookRegistry.register(EXPAND_TARGET, refuse_bad_batch, HookType.BEFORE)  # every server: guard.py
     HookRegistry.register(SIZE_TARGET, refuse_empty_batch, HookType.BEFORE)  # every server: guard.py

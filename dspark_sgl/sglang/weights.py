@@ -23,6 +23,11 @@ temperatures and an SPS table travel with the draft: the folder's config/sts.jso
 and hardware); without STS the new draft's raw confidences are used (the old temperatures were fitted to the old
 draft). The release version/step (`publish.json` in the folder, or `dspark_meta.release`) shows in `/server_info`.
 
+A pause has a lease: `/pause_generation` ends by itself `dspark_pause_lease_s` seconds later (default 60; 0 = never)
+unless a `/continue_generation` or a newer pause came first. The trainer pauses around each swap (training/publish.py);
+killed between its pause and its continue, it would otherwise leave the server paused for good, every request waiting.
+Ending a pause early is safe: the swap is atomic whenever it arrives.
+
 An operator may confine disk updates to one folder: `--json-model-override-args '{"dspark_draft_root": DIR}'`
 (`dspark serve --draft-root DIR`). The admin key decides who may push an update; the root decides what the server
 may read for one, so a leaked key (or a mistyped path) cannot make it load whatever folder the server can see.
@@ -30,6 +35,7 @@ may read for one, so a leaked key (or a mistyped path) cannot make it load whate
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -50,6 +56,8 @@ RELEASE_FILE = "publish.json"  # {"version": ..., "step": ...} written by traini
 SPS_FILE = "sps.json"
 TARGET_CHANGED = "target weights changed"
 DRAFT_ROOT_KEY = "dspark_draft_root"  # in --json-model-override-args; `dspark serve --draft-root` sets it
+PAUSE_LEASE_KEY = "dspark_pause_lease_s"  # in --json-model-override-args
+PAUSE_LEASE_S = 60.0
 
 
 class UpdateRefused(ValueError):
@@ -394,3 +402,35 @@ def keep_served_model_path(original, tokenizer_manager, model_path, load_format)
     if is_draft_folder(model_path):
         return None
     return original(tokenizer_manager, model_path, load_format)
+
+
+def pause_lease(tokenizer_manager) -> float:
+    """Seconds a pause lasts without a `/continue_generation` (0: for ever), from the server's override args."""
+    raw = json.loads(tokenizer_manager.server_args.json_model_override_args or "{}")
+    return float(raw.get(PAUSE_LEASE_KEY, PAUSE_LEASE_S))
+
+
+async def lease_pause(original, tokenizer_manager, obj, *args, **kwargs):
+    """AROUND TokenizerManager.pause_generation: the pause ends by itself after its lease, so a pauser that died
+    (a trainer killed mid-publish) cannot leave the server paused for good."""
+    out = await original(tokenizer_manager, obj, *args, **kwargs)
+    lease = pause_lease(tokenizer_manager)
+    if lease > 0:
+        n = tokenizer_manager._dspark_pauses = getattr(tokenizer_manager, "_dspark_pauses", 0) + 1
+        # the loop keeps only a weak reference to a task: hold this one until it is done
+        tokenizer_manager._dspark_lease = asyncio.create_task(_end_pause(tokenizer_manager, n, lease))
+    return out
+
+
+async def _end_pause(tokenizer_manager, n: int, lease: float) -> None:
+    await asyncio.sleep(lease)
+    if tokenizer_manager.is_pause and tokenizer_manager._dspark_pauses == n:  # still the pause this lease is for
+        logger.warning("dspark-sgl: generation was paused for %.0f s with no /continue_generation (did the pauser "
+                       "die?); continuing (%s)", lease, PAUSE_LEASE_KEY)
+        await tokenizer_manager.continue_generation(_continue_request())
+
+
+def _continue_request():
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+    return ContinueGenerationReqInput()
