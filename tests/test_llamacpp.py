@@ -35,6 +35,15 @@ def built():
 
 
 @pytest.fixture(scope="module")
+def source():
+    """The sdist's converter only (no build): `benchmarks/llamacpp/build.sh --source`."""
+    try:
+        return harness.converter()
+    except harness.LlamaCppMissing as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
 def tokenizer():
     from dspark_sgl.loading import load_tokenizer
     from dspark_sgl.targets.smollm2 import smollm2_hf_dir
@@ -86,7 +95,7 @@ def llama_read_keys(reader) -> dict:
 
 
 @pytest.mark.parametrize("k", [None, 8192], ids=["full", "k8192"])
-def test_export_equals_llama_cpps_converter(built, tmp_path, k):
+def test_export_equals_llama_cpps_converter(source, tmp_path, k):
     """Reduced vocabulary: llama.cpp's converter needs the K-row head in the folder (ours has none: we gather it at
     bind time), so it gets lm_head = the fp32 target's rows at the hot ids; ours takes them from the F32 target
     GGUF. Both must agree byte for byte."""

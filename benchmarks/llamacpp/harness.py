@@ -62,12 +62,22 @@ def target_gguf(kind: str) -> Path:
     return out
 
 
+def converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py from the sdist: needs the source only (`build.sh --source`), not the build."""
+    path = home() / "src" / "convert_hf_to_gguf.py"
+    if not path.exists() or not (home() / "pydeps" / "sentencepiece").exists():
+        raise LlamaCppMissing(
+            f"llama.cpp {VERSION} source is not unpacked ({path} missing): run `{BUILD_SCRIPT} --source` "
+            "(downloads the llama-cpp-python sdist from PyPI, ~75 MB) or the full build"
+        )
+    return path
+
+
 def convert(folder: Path, out: Path, *args: str) -> None:
     """llama.cpp's own convert_hf_to_gguf.py (vendored gguf-py; sentencepiece from the build's pydeps)."""
-    binary("llama-server")  # the source tree comes with the build
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     env = dict(os.environ, PYTHONPATH=str(home() / "pydeps"))
-    cmd = [sys.executable, str(home() / "src" / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(tmp), *args]
+    cmd = [sys.executable, str(converter()), str(folder), "--outfile", str(tmp), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}:\n{done.stderr[-3000:]}")
