@@ -45,7 +45,7 @@ quick-demo: install
 SERVE_DRAFT ?= $(DEMO_RUN)/draft
 serve: install
 	@test -f $(SERVE_DRAFT)/config.json || { echo "make serve: no trained draft at $(SERVE_DRAFT): train one with" \
-		"'make demo' (about 46 min on 2 cores), or name one with SERVE_DRAFT=DIR, or serve without speculation:" \
+		"'make demo' (about an hour on 2 cores), or name one with SERVE_DRAFT=DIR, or serve without speculation:" \
 		"$(BIN)/dspark serve --no-draft --python $(SGL_VENV)/bin/python"; exit 1; }
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	$(BIN)/dspark serve --python $(SGL_VENV)/bin/python --draft $(SERVE_DRAFT) $(SERVE_ARGS)

@@ -474,7 +474,7 @@ def calibrate_phase(recipe: Recipe, draft_dir: Path, out_dir: Path, log=print) -
 
 def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
     """`dspark eval` on the held-out prompts with the exported draft (T, dtype from the recipe) + the plain baseline."""
-    from dspark_sgl.evaluate import evaluate_dataset, report_dict
+    from dspark_sgl.evaluate import evaluate_dataset, plot_acceptance, report_dict
     from dspark_sgl.loading import eos_ids, load_pair
     from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 
@@ -500,6 +500,7 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
         log(f"eval {rep.name}: τ = {spec.tau:.3f} over {spec.prompts} prompts (T={e.temperature}), "
             f"{spec.tokens_per_s:.1f} tok/s, {ratio}, per-position accept "
             f"{[round(a, 2) for a in spec.per_position_accept]}")
+        log(f"wrote {plot_acceptance(spec, out.parent / f'eval.{rep.name}.accept.png')}")
     result = {name: report_dict([d[name] for d in reports.values() if name in d], draft=str(draft_dir), engine=name,
                                 temperature=e.temperature, dtype=e.dtype) for name in engines}
     out.write_text(json.dumps(result, indent=2))
