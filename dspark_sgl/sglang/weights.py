@@ -425,7 +425,7 @@ async def lease_pause(original, tokenizer_manager, obj, *args, **kwargs):
 async def _end_pause(tokenizer_manager, n: int, lease: float) -> None:
     await asyncio.sleep(lease)
     if tokenizer_manager.is_pause and tokenizer_manager._dspark_pauses == n:  # still the pause this lease is for
-        logger.warning("dspark-sgl: generation was paused for %.0f s with no /continue_generation (did the pauser "
+        logger.warning("dspark-sgl: generation was paused for %g s with no /continue_generation (did the pauser "
                        "die?); continuing (%s)", lease, PAUSE_LEASE_KEY)
         await tokenizer_manager.continue_generation(_continue_request())
 
