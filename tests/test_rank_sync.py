@@ -3,7 +3,8 @@
 Each process runs the worker's decode step (tests/test_worker_step_capture.py's `decode_step`, the calls
 `DSparkWorker._forward_decode` makes around SGLang's verify) on the same target logits and hidden states, which the
 lm_head all-gather makes identical under TP, but rank 1's draft has other weights (a rank that drafts with another
-seed): with the broadcast, both ranks verify and commit the same drafts, counts, bonus tokens and slot token ids;
+seed), for greedy and sampled rows, static and confidence schedules, full and reduced draft vocabularies: with the
+broadcast, both ranks verify and commit the same drafts, counts, bonus tokens and slot token ids;
 planted without it (`rank_sync`), they do not. At one rank `share` is the identity (and the step stays sync-free:
 test_worker_step_capture.py). Cost: one spawn of two processes per test, ~10 s on an idle 2-core box.
 """
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 from dspark_sgl.faults import plant
 from dspark_sgl.sglang.ranks import RankSync
 
+CASES = ("greedy/static/full", "greedy/confidence/reduced", "sampled/static/reduced", "sampled/confidence/full")
 FIELDS = ("tokens", "draft_logits", "lengths", "accepted", "bonus", "seq_lens", "context_k", "context_v", "slot_ids")
 
 
@@ -47,14 +49,15 @@ def _rank(rank: int, store: str, out: str, planted: str | None) -> None:
         # the helper alone: shapes and dtypes kept, every rank holds rank 0's values
         own = (torch.arange(6).view(3, 2) + 10 * rank, torch.tensor([1, 2, 3], dtype=torch.int32) * (rank + 1))
         results["helper"] = ranks.share(*own)
-        draft = make_draft("full")
-        if rank:  # another draft on rank 1: its proposals and confidences differ from rank 0's
-            torch.manual_seed(rank)
-            for p in draft.parameters():
-                p.add_(torch.randn_like(p) * 0.3)
-        for mode, schedule in (("greedy", "static"), ("sampled", "confidence")):
+        for case in CASES:
+            mode, schedule, vocab = case.split("/")
+            draft = make_draft(vocab)
+            if rank:  # another draft on rank 1: its proposals and confidences differ from rank 0's
+                torch.manual_seed(rank)
+                for p in draft.parameters():
+                    p.add_(torch.randn_like(p) * 0.3)
             x, rows = inputs(draft, 4, seed=3), make_rows(mode, 4)  # same seed: the target's side is shared
-            results[mode] = dict(zip(FIELDS, run(decode_step, draft, planner(schedule), rows, x, ranks=ranks),
+            results[case] = dict(zip(FIELDS, run(decode_step, draft, planner(schedule), rows, x, ranks=ranks),
                                      strict=True))
     results["broadcasts"] = group.calls
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -72,8 +75,8 @@ RANK_OWN = {"draft_logits", "context_k", "context_v"}  # made by each rank's own
 def disagreements(r0: dict, r1: dict) -> list[str]:
     """The committed fields that differ between the ranks. Which slots got context is committed (`slot_ids` are
     written under the same keep mask); the context K/V values are rank 1's own draft's projections."""
-    return [f"{mode}.{f}" for mode in ("greedy", "sampled") for f in FIELDS
-            if f not in RANK_OWN and not torch.equal(r0[mode][f], r1[mode][f])]
+    return [f"{case}.{f}" for case in CASES for f in FIELDS
+            if f not in RANK_OWN and not torch.equal(r0[case][f], r1[case][f])]
 
 
 def test_one_rank_is_the_identity():
@@ -96,8 +99,9 @@ def test_two_ranks_commit_rank_0s_decisions(tmp_path):
     tokens, lengths = r1["helper"]
     assert torch.equal(tokens, torch.arange(6).view(3, 2)) and tokens.dtype == torch.int64
     assert torch.equal(lengths, torch.tensor([1, 2, 3], dtype=torch.int32)) and lengths.dtype == torch.int32
-    assert r0["broadcasts"] == r1["broadcasts"] == 1 + 2 * 2  # one per share: two per decode step
-    assert not torch.equal(r0["sampled"]["draft_logits"], r1["sampled"]["draft_logits"])  # the drafts do differ
+    assert r0["broadcasts"] == r1["broadcasts"] == 1 + 2 * len(CASES)  # one per share: two per decode step
+    for case in CASES:  # the drafts do differ
+        assert not torch.equal(r0[case]["draft_logits"], r1[case]["draft_logits"])
     assert disagreements(r0, r1) == []
 
 
@@ -106,4 +110,4 @@ def test_planted_unshared_ranks_diverge(tmp_path):
     """Without the broadcast the ranks verify and commit different tokens: the agreement check above fails."""
     r0, r1 = two_ranks(tmp_path, planted="rank_sync")
     assert r1["broadcasts"] == 0
-    assert "greedy.tokens" in disagreements(r0, r1) and "sampled.tokens" in disagreements(r0, r1)
+    assert {f"{case}.tokens" for case in CASES} <= set(disagreements(r0, r1))
