@@ -16,7 +16,7 @@ $(BIN)/dspark: pyproject.toml
 	touch $@
 
 
-.PHONY: install demo demo-long quick-demo serve test lint test-sglang test-slow test-first-run test-planted test-planted-worker
+.PHONY: install demo demo-long quick-demo serve test lint test-sglang test-slow test-first-run test-planted test-planted-worker test-tp
 install: $(BIN)/dspark
 
 # The main job: train a draft for SmolLM2-135M on 2 CPU cores (configs/smollm2-135m-cpu.yaml: on-policy data,
@@ -66,22 +66,29 @@ test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 $(SGL_VENV)/bin/python -m pytest -q -m sglang_inprocess tests/test_sglang_cpu_shims.py
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -q --durations=25 -m 'sglang and not planted' tests/
+		$(BIN)/python -m pytest -q --durations=25 -m 'sglang and not planted and not tp' tests/
 
-# The served planted-bug checks (tests/test_sglang_planted.py, and tests/test_sglang_tp.py's rank divergence at TP=2):
+# The served planted-bug checks (tests/test_sglang_planted.py; TP=2's rank divergence is test-tp's):
 # one SGLang server per planted bug (~12 min on an idle
 # 2-core box, docs/testing.md). CI's stage (.ci/run) runs PLANTED_K=$(PLANTED_WORKER): the clean probes and plants
 # whose site is the worker's own code; the plants in code shared with the reference engine (markov.py, rows.py,
 # target_dist.py) are caught in-process by tests/test_faults.py in `make test`.
-PLANTED_WORKER := accept_hist or stale or verify_limit or context_keep or hybrid or rank_divergence or zz
+PLANTED_WORKER := accept_hist or stale or verify_limit or context_keep or hybrid or zz
 PLANTED_K ?=
 test-planted: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -q -m 'sglang and planted' tests/test_sglang_planted.py tests/test_sglang_tp.py \
+		$(BIN)/python -m pytest -q -m 'sglang and planted and not tp' tests/test_sglang_planted.py \
 		$(if $(PLANTED_K),-k '$(PLANTED_K)')
 test-planted-worker:
 	$(MAKE) test-planted PLANTED_K='$(PLANTED_WORKER)'
+
+# TP=2 servers (tests/test_sglang_tp.py: plain TP2 = TP1, DSPARK TP2 lossless, planted rank divergence caught).
+# Not in CI yet: written but never run on a free box (docs/serving.md, "Tensor parallelism").
+test-tp: install
+	bash .ci/install_sglang.sh $(SGL_VENV)
+	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -m tp tests/test_sglang_tp.py
 
 # Every other slow test: the newcomer's first run (2 ranks of the README recipe from an empty $HOME /
 # $XDG_CACHE_HOME), the 2-node loopback trainer (kills and exact resume), the trainer's rank/kill/resume and
