@@ -80,12 +80,17 @@ def test_planted_rank_divergence_is_caught(setup):
     """Rank 1 drafts with other weights and nothing is broadcast: rank 1 verifies other tokens than rank 0 inside
     the same all-reduces, so rank 0's logits (and its tokens or histograms) change, or the ranks' batches drift
     apart until a collective fails."""
-    with Server(setup["target"], dspark(setup), env={**STATIC, ENV: "rank_sync"}) as s:
-        try:
-            out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            print(f"planted rank_sync: the server failed ({e!r})")
-            return
-        hists = served_hists(out, GAMMA)
+    try:
+        with Server(setup["target"], dspark(setup), env={**STATIC, ENV: "rank_sync"}) as s:
+            try:
+                out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                print(f"planted rank_sync: the server failed ({e!r})")
+                return
+            hists = served_hists(out, GAMMA)
+    except RuntimeError as e:  # seen 2026-12-03: the ranks hang in start-up's warm-up and SGLang's watchdog kills them
+        assert "server exited" in str(e), e  # the clean DSPARK TP2 server of the test above starts fine
+        print(f"planted rank_sync: the server died at start-up ({str(e)[:200]!r})")
+        return
     print(f"planted rank_sync: served {hists} reference {setup['ref']}")
     assert [o["output_ids"] for o in out] != setup["plain"] or hists != setup["ref"]
