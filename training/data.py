@@ -348,7 +348,6 @@ def prompts_of(record: dict, max_turns: int) -> list[dict]:
     return out
 
 
-@torch.no_grad()
 def _generation_model(model, target_dir: Path, dtype_name: str):
     """The target in the dtype that decodes fastest here: the training target's own model when it matches, else a
     copy loaded for regeneration alone (also when the engine runs elsewhere)."""
@@ -363,6 +362,7 @@ def _generation_model(model, target_dir: Path, dtype_name: str):
     return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
 
 
+@torch.no_grad()
 def regenerate(model, tokenizer, items: list[tuple[int, dict]], cfg: RegenerateConfig, cache: Path,
                max_length: int, progress=None) -> None:
     """Answer every user turn of items [(id, record)] with the target; append finished samples to `cache` (JSONL)."""

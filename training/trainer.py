@@ -152,9 +152,10 @@ class TimeBudget:
     float per step), so all ranks stop after the same step; a resumed run continues the spent time from its
     checkpoint. Such a run is not step-for-step reproducible: where it stops depends on the box."""
 
-    def __init__(self, minutes: float, started: float, spent_s: float = 0.0, train_from_s: float | None = None):
-        self.total_s, self.spent_s, self.train_from_s = minutes * 60.0, spent_s, train_from_s
-        self._started, self._base = started, spent_s
+    def __init__(self, minutes: float, started: float):
+        self.total_s, self._started = minutes * 60.0, started
+        self.spent_s = self._base = 0.0
+        self.train_from_s: float | None = None  # the time spent when the first step began
 
     @property
     def fraction(self) -> float:
@@ -172,6 +173,12 @@ class TimeBudget:
 
     def state(self) -> dict:
         return {"train_s": self.spent_s, "train_from_s": self.train_from_s}
+
+    def restore(self, state: dict | None) -> None:
+        """Continue a checkpoint's spent time (a resumed run)."""
+        state = state or {}
+        self.spent_s = self._base = state.get("train_s", 0.0)
+        self.train_from_s = state.get("train_from_s")
 
     def tick(self, device) -> bool:
         """Agree on the time spent (rank 0's); True when the budget is used up."""
@@ -338,9 +345,7 @@ class Trainer:
             if meta is not None:
                 start = meta["step"]
                 if budget is not None:
-                    b = meta["stream"].get("budget") or {}
-                    budget = TimeBudget(t.minutes, self.started, b.get("train_s", 0.0), b.get("train_from_s"))
-                    sched.lr_lambdas[0] = lr_lambda(steps, warmup, o.min_lr_ratio, budget)
+                    budget.restore(meta["stream"].get("budget"))
                 self.log(f"resumed from step {start} ({self.out / 'checkpoints'})")
             else:
                 self.log("--resume: no complete checkpoint yet, starting from step 0")
