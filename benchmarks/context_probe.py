@@ -73,7 +73,7 @@ def agreement(draft: DSparkDraft, samples: list[dict], captures: list, mode: str
 
 def main(
     run: Annotated[Path, typer.Argument(help="a training run folder (its draft/ and data/samples.jsonl)")],
-    samples: Annotated[int, typer.Option(help="samples probed: half from the head of the data, half from its tail")] = 12,
+    samples: Annotated[int, typer.Option(help="samples probed: half from the data's head, half from its tail")] = 12,
     max_anchors: Annotated[int, typer.Option(help="anchor blocks per sample")] = 128,
     threads: Annotated[int, typer.Option()] = 2,
     out: Annotated[Path | None, typer.Option(help="result JSON")] = None,
