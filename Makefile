@@ -100,8 +100,8 @@ test-slow: install
 test-first-run: install
 	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
 
-# llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl, then reused; its wall
-# time on 2 cores: benchmarks/results/llamacpp_build_epyc.json, 510 s on the EPYC) running our GGUF export: T=0 identity with and without
+# llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl, then reused; 510 s on
+# the 2-core EPYC: benchmarks/results/llamacpp_build_epyc.json) running our GGUF export: T=0 identity with and without
 # the draft, llama.cpp's drafts = ours, export = llama.cpp's converter (docs/llamacpp.md). A missing build fails the
 # tests, never skips them. Not in CI (.ci/run): the build alone would take a large share of its 75 min.
 .PHONY: llamacpp test-llamacpp
