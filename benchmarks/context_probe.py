@@ -60,10 +60,10 @@ def agreement(draft: DSparkDraft, samples: list[dict], captures: list, mode: str
             other = captures[(i + 1) % len(captures)][1]
             aux = other.repeat(1, S // other.shape[1] + 1, 1)[:, :S]
         h = draft.forward_train(ids, aux, anchors[None])[0]  # [N, γ, H]
-        prev = ids[0, anchors[:, None] + k]  # the true token a+k: teacher-forced, as in training
+        prev = ids[0, anchors[:, None] + k]  # the true token a+k: teacher-forced, as the objective does
         logits = draft.base_logits(h)
         if mode != "no_markov":
-            logits = logits + draft.markov_head.bias(draft.markov_head.latent(prev, h, None)[0]).float()
+            logits = logits + draft.markov_head.bias(draft.markov_head.teacher_forced_latent(prev, h)).float()
         pred = logits.argmax(-1)
         pred = vocab[pred] if vocab is not None else pred
         hit += (pred == target_argmax[0, anchors[:, None] + k]).float().sum(0)
