@@ -8,10 +8,10 @@ Why this shape: a full recipe run costs an hour of the two cores, so levers are 
 everything else. Every variant copies the same finished data cache (regenerated + tokenised samples of a recipe run:
 no variant pays or varies the data phase), trains `--steps` optimizer steps with the LR decaying to 0 at the last
 one (2 ranks, `torchrun`; the recipe's `train.minutes` is switched off, or its time-based cosine would leave the LR
-near its peak after a few minutes of steps), exports, and runs `dspark eval` on the first `--prompts` held-out prompts of each set
-(T=0, `--max-new-tokens`, dtype auto, batch 10). τ at a fixed step count does not depend on how loaded the box
-was; the seconds per step do (say so when quoting them). A variant whose eval.json exists is not run again
-(re-running the script after an interruption finishes the rest).
+near its peak after a few minutes of steps), exports, and runs `dspark eval` on the first `--prompts` held-out
+prompts of each set (T=0, `--max-new-tokens`, dtype auto, batch 10). τ at a fixed step count does not depend on
+how loaded the box was; the seconds per step do (say so when quoting them). A variant whose eval.json exists is not
+run again (re-running the script after an interruption finishes the rest).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def train_variant(folder: Path, overrides: list[str], data_cache: Path, steps: i
     shutil.copytree(data_cache, folder / "data")
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "-m", "training",
            "--config", str(RECIPE), f"train.out_dir={folder / 'run'}", f"data.cache_dir={folder / 'data'}",
-           f"train.max_steps={steps}", "train.minutes=null", "train.save_every=1000", "eval.datasets=[]", "eval.calibrate_prompts=0",
+           f"train.max_steps={steps}", "train.minutes=null", "train.save_every=1000", "eval.datasets=[]",
+           "eval.calibrate_prompts=0",
            "train.wandb_mode=disabled", f"data.train={eval_dir / 'gsm8k.jsonl'}",
            f"data.exclude.files=[{eval_dir}]", *overrides]
     t0 = time.time()
