@@ -13,6 +13,10 @@ Markov head's previous token) and counts how often its argmax equals the target'
 A draft that uses its context loses much of its agreement without it, and most at slot 0 (the token right after the
 anchor, the one the context says most about). The recipe's drafts lose little: see docs/training.md.
 
+Where the attention goes: for every draft layer and slot, the mean softmax mass a block row puts on its own block and
+on context tokens by distance from the anchor a (a−1, a−2..a−4, a−5..a−16, earlier). A draft that has learned to read
+the state right before its block puts much of slot 0's mass on a−1; one that has not spreads it over the context.
+
   PYTHONPATH=$PWD python benchmarks/context_probe.py runs/smollm2-135m-cpu [--samples 12] [--out FILE]
 """
 
@@ -29,7 +33,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_sgl.loading import resolve_target_dir  # noqa: E402
-from dspark_sgl.model.draft import DSparkDraft  # noqa: E402
+from dspark_sgl.model.draft import Attention, DSparkDraft, apply_rope  # noqa: E402
 from dspark_sgl.provenance import provenance  # noqa: E402
 from dspark_sgl.targets.hf import HFTarget  # noqa: E402
 
@@ -71,6 +75,51 @@ def agreement(draft: DSparkDraft, samples: list[dict], captures: list, mode: str
     return (hit / count.clamp(min=1)).tolist()
 
 
+DISTANCES = {"a-1": (1, 1), "a-2..4": (2, 4), "a-5..16": (5, 16), "a-17..": (17, 1 << 30)}
+
+
+@torch.no_grad()
+def attention_by_distance(draft: DSparkDraft, samples: list[dict], captures: list, max_anchors: int) -> dict:
+    """{layer: {slot: {bin: mean attention mass}}}: where each slot's queries look, per draft layer (GQA drafts)."""
+    g, layers = draft.config.block_size, list(draft.layers)
+    probs: list[torch.Tensor] = []
+
+    def keep(attn: Attention, args: tuple) -> None:  # recompute the softmax the layer's sdpa call takes
+        x, pos, ctx_k, _ctx_v, mask, inv_freq = args
+        q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), pos, inv_freq).float()
+        k = torch.cat((ctx_k, attn.kv(x, pos, inv_freq)[0]), dim=2).float()
+        k = k.repeat_interleave(attn.n_heads // attn.n_kv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * attn.head_dim**-0.5
+        probs.append(scores.masked_fill(~mask, float("-inf")).softmax(-1)[0].mean(0))  # [N·γ, S + N·γ], head mean
+
+    hooks = [layer.self_attn.register_forward_pre_hook(keep) for layer in layers]
+    sums = {(li, k, b): 0.0 for li in range(len(layers)) for k in range(g) for b in (*DISTANCES, "own block")}
+    blocks = 0
+    try:
+        for i, (ids, aux, _) in enumerate(captures):
+            S = ids.shape[1]
+            mask = torch.tensor(samples[i]["loss_mask"][:S], dtype=torch.bool)
+            anchors = (torch.nonzero(mask[2:S - g + 1]).flatten() + 1)[:max_anchors]
+            if anchors.numel() == 0:
+                continue
+            probs.clear()
+            draft.forward_train(ids, aux, anchors[None])
+            dist = anchors[:, None] - torch.arange(S)[None, :]  # [N, S]: distance of each context token
+            for li, p in enumerate(probs):
+                p = p.view(anchors.numel(), g, -1)
+                for k in range(g):
+                    for b, (lo, hi) in DISTANCES.items():
+                        sums[(li, k, b)] += (p[:, k, :S] * ((dist >= lo) & (dist <= hi))).sum().item()
+                    sums[(li, k, "own block")] += p[:, k, S:].sum().item()
+            blocks += anchors.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {f"layer {li}": {f"slot {k}": {b: round(sums[(li, k, b)] / max(blocks, 1), 4)
+                                          for b in (*DISTANCES, "own block")} for k in range(g)}
+            for li in range(len(layers))}
+
+
 def main(
     run: Annotated[Path, typer.Argument(help="a training run folder (its draft/ and data/samples.jsonl)")],
     samples: Annotated[int, typer.Option(help="samples probed: half from the data's head, half from its tail")] = 12,
@@ -93,9 +142,17 @@ def main(
     for mode in MODES:
         results[mode] = agreement(draft, rows, captures, mode, max_anchors)
         print(f"{mode:>10}  " + "  ".join(f"{x:.3f}" for x in results[mode]), flush=True)
+    attention = None
+    if not draft.config.is_mla:
+        attention = attention_by_distance(draft, rows, captures, max_anchors)
+        print("attention mass by distance from the anchor (mean over heads and blocks):")
+        for layer, slots in attention.items():
+            for slot, bins in slots.items():
+                print(f"  {layer} {slot}: " + "  ".join(f"{b} {m:.3f}" for b, m in bins.items()))
     if out is not None:
         out.write_text(json.dumps({"provenance": provenance(run=str(run), samples=samples, max_anchors=max_anchors),
-                                   "per_slot_agreement": results}, indent=1) + "\n")
+                                   "per_slot_agreement": results, "attention_by_distance": attention},
+                                  indent=1) + "\n")
         print(f"wrote {out}")
 
 

@@ -2,7 +2,9 @@
 
 Every server is started by the product command (`dspark serve`, fp32 on a CPU), one at a time, and driven by
 SGLang's benchmark client (`python -m sglang.benchmark.serving --backend sglang`, the `custom` dataset), not a
-home-made one, at each --concurrency (its `--max-concurrency`; all requests are sent at once, `--request-rate inf`).
+home-made one, at each --concurrency (its `--max-concurrency`; all requests are sent at once, `--request-rate inf`),
+the server's cache flushed before each level (the levels send the same prompts: without the flush NGRAM would
+replay answers it saw at the previous level, and prefill would hit the radix cache).
 The prompts are the held-out ones the other benchmarks use: the first --limit of GSM8K and of MT-Bench (first turns),
 interleaved, chat template applied by the tool; T = 0, each answer ends at EOS or --output-len tokens
 (`--disable-ignore-eos`: an answer the target would end is not padded with text nobody asked for). The tool's own
@@ -127,6 +129,7 @@ def main(
             with ServeCommand(Path(target), serve_args=["--device", "cpu", *args],
                               log_path=Path(tmp) / f"{method.split()[0]}.log") as server:
                 for c in levels:
+                    server.post("/flush_cache", {})  # radix cache and NGRAM's corpus: no level sees another's answers
                     n = min(available, max(requests_per_level, 2 * c))
                     rec = bench(server, target, prompts, n, c, output_len, Path(tmp) / f"{method[:5]}-{c}.jsonl")
                     row = {"method": method, "concurrency": c, "requests": n, **{k: rec.get(k) for k in KEYS}}
