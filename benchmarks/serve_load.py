@@ -85,6 +85,8 @@ def plot_itl(results: list[dict], path: Path) -> None:
         ax.plot(xs, [r["p99_itl_ms"] for r in rows], marker="x", linestyle="--", color=line.get_color(),
                 label=f"{method} p99")
     ax.set_xscale("log", base=2)
+    levels = sorted({r["concurrency"] for r in results})
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("max concurrency")
     ax.set_ylabel("inter-token latency (ms)")
     ax.set_title("sglang.benchmark.serving, CPU, fp32, T=0")
