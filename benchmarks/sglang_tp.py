@@ -47,6 +47,7 @@ def main(
     json_out: Path = Path("benchmarks/results/sglang_tp.json"),
 ) -> None:
     concurrencies, tps = concurrency or [1, 4], tp or [1, 2]
+    work = work.resolve()  # `dspark serve` runs from another folder: hand it absolute paths
     target = build_tiny_target(work / "target", vocab=vocab, hidden=hidden, layers=layers)
     rng = random.Random(0)
     ids = [[rng.randrange(vocab - 1) for _ in range(rng.randrange(16, 48))] for _ in range(prompts)]
