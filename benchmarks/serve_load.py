@@ -14,6 +14,11 @@ file unchanged beside our summary; the ITL plot shows p50 and p99 against concur
     python benchmarks/serve_load.py --draft runs/smollm2-135m-cpu/draft [--concurrency 1 4 16] \
         --out benchmarks/results/serve_load.json --plot docs/img/serve_load_itl.png
 
+DSPARK's confidence schedule times the target's verify at each new batch-size bucket the first time it meets one
+(1, 2, 4, 8, 16 ...: 4 timed verify forwards per width of the live batch), and the scheduler waits meanwhile; the
+table it measures can be saved and loaded at the next start (`--sps-table FILE`: measured and saved when FILE does
+not exist, loaded when it does). Run twice with the same FILE to see both.
+
 On a CPU each step is dominated by Python overhead, not arithmetic (docs/serving.md), so these figures say how the
 servers behave under concurrency here, not what a GPU would show. Run with $DSPARK_SGL_VENV pointing at a venv with
 sglang (.ci/install_sglang.sh) and `datasets` in it (the load tool imports it; the lean install leaves it out).
@@ -104,6 +109,11 @@ def main(
     requests_per_level: Annotated[int, typer.Option(help="Requests per level: max(this, 2 × concurrency).")] = 8,
     output_len: int = 96,
     ngram_tokens: Annotated[int, typer.Option(help="NGRAM's draft-token budget.")] = 8,
+    only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, ngram, dspark "
+                                                       "(repeatable; default all three).")] = None,
+    sps_table: Annotated[Path | None, typer.Option(help="DSPARK's SPS table file (--speculative-dspark-sps-table-"
+                                                        "path): loaded when it exists, else measured and saved "
+                                                        "there.")] = None,
     out: Path = Path("out/bench/serve_load.json"),
     plot: Path | None = None,
 ) -> None:
@@ -123,6 +133,14 @@ def main(
                f"NGRAM k={ngram_tokens}": ["--no-draft", "--speculative-algorithm", "NGRAM",
                                           "--speculative-num-draft-tokens", str(ngram_tokens)],
                "DSPARK ours": ["--draft", str(draft.resolve())]}
+    if sps_table is not None:
+        methods["DSPARK ours"] += ["--speculative-dspark-sps-table-path", str(sps_table.resolve())]
+    if only:
+        unknown = set(only) - {"plain", "ngram", "dspark"}
+        if unknown:
+            raise typer.BadParameter(f"--only takes plain, ngram or dspark, not {sorted(unknown)}")
+        methods = {m: a for m, a in methods.items() if m.split()[0].lower() in only}
+    sps_table_existed = sps_table is not None and sps_table.is_file()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
@@ -150,6 +168,8 @@ def main(
     Console().print(table)
     record = {"provenance": provenance(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit,
                                        concurrency=levels, output_len=output_len, ngram_tokens=ngram_tokens,
+                                       only=only, sps_table=None if sps_table is None else str(sps_table),
+                                       sps_table_existed=sps_table_existed,
                                        tool="python -m sglang.benchmark.serving --backend sglang --dataset-name "
                                             "custom --request-rate inf --temperature 0 --disable-ignore-eos"),
               "results": results}
