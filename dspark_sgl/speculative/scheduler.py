@@ -1,15 +1,24 @@
-"""Hardware-aware prefix scheduler (DSpark Algorithm 1): how many draft tokens each request verifies.
+"""Hardware-aware prefix scheduler (DSpark Algorithm 1 with an optimistic look-ahead): how many draft tokens each
+request verifies.
 
 Survival a[r, j] = prod_{i<=j} c[r, i] is the chance draft j of request r is accepted. Candidates (r, j)
 are admitted in descending a; with k admitted the step is expected to commit tau_k = R + sum of their a
 (one bonus token per request) at SPS(R + k) steps/s, so throughput is Theta_k = tau_k * SPS(R + k).
-Admission stops at the FIRST k whose Theta does not beat Theta_{k-1}. That early stop is what keeps
-speculative sampling exact: whether (r, j) is admitted then depends only on candidates ranked above it,
-i.e. on c[r, <=j] (functions of x[r, <j]) and on other requests, never on the draft token x[r, j] being
-tested. Taking the argmax of Theta over all k instead "peeks" at a[r, j+1], which depends on x[r, j],
-and biases the output (tests/test_scheduler.py shows it).
 
-Everything is vectorised torch on the confidences' device, O(R*gamma*log(R*gamma)), with no host sync.
+Which candidates may decide whether (r, j) is admitted is what keeps speculative sampling exact: only candidates
+ranked at or above it, i.e. c[r, <=j] (functions of x[r, <j]) and other requests, never the draft token x[r, j]
+under test. Taking the argmax of Theta over all k "peeks" at a[r, j+1], which depends on x[r, j], and biases the
+output (tests/test_scheduler.py shows it). The paper stops at the first candidate that does not raise Theta. That is
+exact but myopic: a measured SPS table is a step function (a CPU or graph bucket switches kernels at some batch
+size), and one step down can stop admission although whole blocks past it would pay (issue 26's TP=1 run: lengths
+[2, 2, 2, 1] at 4 requests where 4 x 7 drafts were worth about 1.9x more). So candidate i is admitted while some
+longer prefix could still beat Theta_i if every later candidate had survival a_i: an upper bound, since later
+candidates have survival <= a_i, built from candidates ranked at or above i only, so exactness holds by the same
+argument. The bound needs Theta only at the ends of the table's plateaus (within one plateau it grows with the
+prefix), so it costs O(N x table size) for N = R x gamma candidates. Every candidate the first-dip rule admits is
+admitted here too.
+
+Everything is vectorised torch on the confidences' device, with no host sync.
 """
 
 from __future__ import annotations
@@ -55,10 +64,21 @@ def throughput_curve(a_sorted: torch.Tensor, num_requests: int, sps: SpsTable) -
     return tau * sps.lookup(batch_tokens)
 
 
-def first_non_improvement(theta: torch.Tensor) -> torch.Tensor:
-    """Number of candidates admitted: the length of the leading run of strict improvements (0-dim long)."""
-    improves = (theta[1:] > theta[:-1]).long()
-    return improves.cumprod(0).sum()
+def lookahead_admitted(a_sorted: torch.Tensor, num_requests: int, sps: SpsTable) -> torch.Tensor:
+    """Number of candidates admitted (0-dim long): the leading run of candidates i for which
+    max_{m >= i} (tau_i + (m - i + 1) * a_i) * SPS(R + m + 1) > Theta_i (see the module docstring)."""
+    n, dev = a_sorted.numel(), a_sorted.device
+    tau = torch.cat([a_sorted.new_zeros(1), a_sorted.cumsum(0)[:-1]]) + num_requests  # tau_i, i admitted
+    theta = tau * sps.lookup(torch.arange(n, device=dev) + num_requests)
+    # plateau ends: batch tokens t - 1 for every measured count t after the first, as prefix indices m
+    ends = sps.counts(dev)[1:] - num_requests - 2
+    ends = torch.where((ends >= 0) & (ends < n - 1), ends, n - 1)
+    ends = torch.cat([ends, torch.full((1,), n - 1, dtype=ends.dtype, device=dev)])
+    i = torch.arange(n, device=dev)[:, None]
+    extra = (ends[None, :] - i + 1).to(a_sorted.dtype)  # candidates i .. m, each counted at survival a_i
+    bound = (tau[:, None] + extra * a_sorted[:, None]) * sps.lookup(ends + num_requests + 1)[None, :]
+    bound = bound.masked_fill(ends[None, :] < i, float("-inf")).amax(dim=1)
+    return (bound > theta).long().cumprod(0).sum()
 
 
 def lengths_from_admitted(
@@ -71,15 +91,14 @@ def lengths_from_admitted(
 
 
 def confidence_verify_lengths(conf: torch.Tensor, sps: SpsTable) -> torch.Tensor:
-    """Algorithm 1. conf [R, gamma] (calibrated per-position confidences) -> verify lengths [R] long in
-    [1, gamma + 1], on conf's device."""
+    """Algorithm 1 with the look-ahead. conf [R, gamma] (calibrated per-position confidences) -> verify lengths [R]
+    long in [1, gamma + 1], on conf's device."""
     _check_conf(conf)
     num_requests = conf.shape[0]
     if conf.numel() == 0:
         return torch.ones(num_requests, dtype=torch.long, device=conf.device)
     a_sorted, request_ids, _ = rank_candidates(conf)
-    theta = throughput_curve(a_sorted, num_requests, sps)
-    return lengths_from_admitted(request_ids, first_non_improvement(theta), num_requests)
+    return lengths_from_admitted(request_ids, lookahead_admitted(a_sorted, num_requests, sps), num_requests)
 
 
 def static_verify_lengths(

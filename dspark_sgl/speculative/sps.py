@@ -70,6 +70,10 @@ class SpsTable:
         idx = torch.searchsorted(keys, tokens.to(torch.long), right=True) - 1
         return vals[idx.clamp(min=0)]
 
+    def counts(self, device: torch.device | str) -> torch.Tensor:
+        """The measured token counts as a long tensor on device (cached: no copy per scheduler step)."""
+        return self._tensors(torch.device(device))[0]
+
     def __call__(self, tokens: int) -> float:
         """SPS at one token count (host side, for reports and benchmarks)."""
         return float(self.lookup(torch.tensor([tokens]))[0])
