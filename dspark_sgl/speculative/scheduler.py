@@ -69,7 +69,7 @@ def lookahead_admitted(a_sorted: torch.Tensor, num_requests: int, sps: SpsTable)
     max_{m >= i} (tau_i + (m - i + 1) * a_i) * SPS(R + m + 1) > Theta_i (see the module docstring)."""
     n, dev = a_sorted.numel(), a_sorted.device
     tau = torch.cat([a_sorted.new_zeros(1), a_sorted.cumsum(0)[:-1]]) + num_requests  # tau_i, i admitted
-    theta = tau * sps.lookup(torch.arange(n, device=dev) + num_requests)
+    theta = throughput_curve(a_sorted, num_requests, sps)[:-1]  # Theta_i, i = 0 .. n-1
     # plateau ends: batch tokens t - 1 for every measured count t after the first, as prefix indices m
     ends = sps.counts(dev)[1:] - num_requests - 2
     ends = torch.where((ends >= 0) & (ends < n - 1), ends, n - 1)
