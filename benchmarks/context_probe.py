@@ -46,6 +46,12 @@ def load_samples(run: Path, n: int) -> list[dict]:
     return rows[: n // 2] + rows[len(rows) - (n - n // 2):]
 
 
+def probe_anchors(sample: dict, S: int, g: int, max_anchors: int) -> torch.Tensor:
+    """Anchor positions a whose next token is supervised and whose whole block fits: the first max_anchors."""
+    mask = torch.tensor(sample["loss_mask"][:S], dtype=torch.bool)
+    return (torch.nonzero(mask[2:S - g + 1]).flatten() + 1)[:max_anchors]
+
+
 @torch.no_grad()
 def agreement(draft: DSparkDraft, samples: list[dict], captures: list, mode: str, max_anchors: int) -> list[float]:
     """Per-slot fraction of anchor blocks whose teacher-forced argmax equals the target's argmax."""
@@ -54,8 +60,7 @@ def agreement(draft: DSparkDraft, samples: list[dict], captures: list, mode: str
     k = torch.arange(g)
     for i, (ids, aux, target_argmax) in enumerate(captures):
         S = ids.shape[1]
-        mask = torch.tensor(samples[i]["loss_mask"][:S], dtype=torch.bool)
-        anchors = (torch.nonzero(mask[2:S - g + 1]).flatten() + 1)[:max_anchors]  # a with a+1 supervised
+        anchors = probe_anchors(samples[i], S, g, max_anchors)
         if anchors.numel() == 0:
             continue
         if mode == "no_context":
@@ -98,8 +103,7 @@ def attention_by_distance(draft: DSparkDraft, samples: list[dict], captures: lis
     try:
         for i, (ids, aux, _) in enumerate(captures):
             S = ids.shape[1]
-            mask = torch.tensor(samples[i]["loss_mask"][:S], dtype=torch.bool)
-            anchors = (torch.nonzero(mask[2:S - g + 1]).flatten() + 1)[:max_anchors]
+            anchors = probe_anchors(samples[i], S, g, max_anchors)
             if anchors.numel() == 0:
                 continue
             probs.clear()
