@@ -36,6 +36,11 @@ class GlooGroup:
         dist.broadcast(tensor, src=src)
         return tensor
 
+    def broadcast_object(self, obj, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
 
 def _rank(rank: int, store: str, out: str, planted: str | None) -> None:
     from tests.test_worker_step_capture import decode_step, inputs, make_draft, make_rows, planner, run
@@ -49,6 +54,8 @@ def _rank(rank: int, store: str, out: str, planted: str | None) -> None:
         # the helper alone: shapes and dtypes kept, every rank holds rank 0's values
         own = (torch.arange(6).view(3, 2) + 10 * rank, torch.tensor([1, 2, 3], dtype=torch.int32) * (rank + 1))
         results["helper"] = ranks.share(*own)
+        # start-up: each rank found another SPS cache (another node); all take rank 0's table and buckets
+        results["sps_state"] = ranks.share_object({"measured": {8: 10.0 + rank}, "buckets": [1 + rank]})
         for case in CASES:
             mode, schedule, vocab = case.split("/")
             draft = make_draft(vocab)
@@ -100,6 +107,7 @@ def test_two_ranks_commit_rank_0s_decisions(tmp_path):
     assert torch.equal(tokens, torch.arange(6).view(3, 2)) and tokens.dtype == torch.int64
     assert torch.equal(lengths, torch.tensor([1, 2, 3], dtype=torch.int32)) and lengths.dtype == torch.int32
     assert r0["broadcasts"] == r1["broadcasts"] == 1 + 2 * len(CASES)  # one per share: two per decode step
+    assert r0["sps_state"] == r1["sps_state"] == {"measured": {8: 10.0}, "buckets": [1]}
     for case in CASES:  # the drafts do differ
         assert not torch.equal(r0[case]["draft_logits"], r1[case]["draft_logits"])
     assert disagreements(r0, r1) == []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.sglang.planning import VerifyPlanner, choose_policy, size_bucket
+from dspark_sgl.sglang.planning import VerifyPlanner, choose_policy, size_bucket, sps_cache_file
 from dspark_sgl.speculative.scheduler import schedule
 from dspark_sgl.speculative.sps import SpsTable
 from dspark_sgl.speculative.sts import apply_sts, save_sts
@@ -94,3 +94,74 @@ def test_static_policy_and_stats(monkeypatch):
     assert info["mean_accepted_drafts"] == 2 and info["decode_steps"] == 1
     planner.clear()
     assert planner.info()["decode_steps"] == 0
+
+
+def test_per_machine_cache_resumes_measured_buckets(tmp_path, monkeypatch):
+    """Without a table path the measurements persist per engine: a restart profiles only buckets it never met, and
+    new buckets merge with the old raw values (smoothed as if measured in one run)."""
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    draft = DSparkDraft(tiny_draft_config(block_size=3))
+    cache = tmp_path / "sps" / "engine.json"  # its folder does not exist yet
+    first = VerifyPlanner.from_server_args(spec_args(), draft, cache)
+    assert first.needs_profile(1) and first.sps is None
+    first.add_profile(1, {1: 200.0, 2: 150.0, 3: 160.0, 4: 110.0})
+    assert SpsTable.load(cache).meta["buckets"] == [1]
+
+    again = VerifyPlanner.from_server_args(spec_args(), draft, cache)
+    assert not again.needs_profile(1) and again.needs_profile(2) and again.needs_profile(16)
+    assert again.sps.to_dict() == first.sps.to_dict()
+    assert torch.equal(again.verify_lengths(torch.zeros(1, 3), 1, "cpu"), first.verify_lengths(torch.zeros(1, 3), 1,
+                                                                                                "cpu"))
+    again.add_profile(2, {1: 180.0, 2: 120.0, 3: 90.0, 4: 70.0})
+    saved = SpsTable.load(cache)
+    assert saved.meta["buckets"] == [1, 2] and saved.tokens == [1, 2, 3, 4, 6, 8]
+    assert saved.meta["raw_steps_per_s"] == [200.0, 180.0, 160.0, 120.0, 90.0, 70.0]  # 2 = 150 remeasured as 180
+    assert saved.is_monotone()
+
+    explicit = tmp_path / "given.json"  # an operator's table path wins: the cache is neither read nor written
+    mine = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft, cache)
+    assert mine.needs_profile(1) and mine.save_path == explicit
+
+
+def test_unreadable_cache_is_measured_anew(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    draft = DSparkDraft(tiny_draft_config(block_size=3))
+    cache = tmp_path / "engine.json"
+    for junk in ('{"tokens": [1], "steps_per_s": [5.0]}', "{", '{"tokens": [2, 1], "steps_per_s": [1, 1]}'):
+        cache.write_text(junk)  # no buckets / torn / invalid
+        planner = VerifyPlanner.from_server_args(spec_args(), draft, cache)
+        assert planner.needs_profile(1) and planner.sps is None
+    planner.add_profile(1, {1: 10.0})
+    assert SpsTable.load(cache).meta["buckets"] == [1]
+
+
+def test_static_policy_ignores_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "static")
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)),
+                                             tmp_path / "engine.json")
+    assert planner.save_path is None and not planner.needs_profile(1)
+
+
+def test_cache_file_is_keyed_by_engine_and_can_be_turned_off(tmp_path, monkeypatch):
+    facts = {"model_path": "/m", "tp_size": "1", "verify_width": 8, "hardware": "cpu x"}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("DSPARK_SGL_SPS_CACHE", raising=False)
+    home = sps_cache_file(facts)
+    assert home.parent == tmp_path / "xdg" / "dspark-sgl" / "sps"
+    assert sps_cache_file(dict(facts)) == home
+    assert sps_cache_file({**facts, "tp_size": "2"}) != home and sps_cache_file({**facts, "verify_width": 4}) != home
+    monkeypatch.setenv("DSPARK_SGL_SPS_CACHE", str(tmp_path / "elsewhere"))
+    assert sps_cache_file(facts).parent == tmp_path / "elsewhere"
+    monkeypatch.setenv("DSPARK_SGL_SPS_CACHE", "off")
+    assert sps_cache_file(facts) is None
+
+
+def test_adopt_takes_another_planners_state(tmp_path, monkeypatch):
+    """What a TP rank does with rank 0's state at start-up (RankSync.share_object): same table, same buckets."""
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    draft = DSparkDraft(tiny_draft_config(block_size=3))
+    rank0, rank1 = (VerifyPlanner.from_server_args(spec_args(), draft) for _ in range(2))
+    rank0.add_profile(4, {1: 100.0, 2: 50.0, 3: 34.0, 4: 25.0})
+    rank1.add_profile(1, {1: 1.0})
+    rank1.adopt(rank0.state())
+    assert rank1.state() == rank0.state() and rank1.needs_profile(1) and not rank1.needs_profile(3)

@@ -8,6 +8,7 @@ from the plain outputs, so it is accepted). Servers stop as soon as the module i
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -68,11 +69,25 @@ def test_plain_serve_answers_through_the_openai_endpoint(plain):
 def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, plain, tmp_path_factory):
     seqs = [p + o for p, o in zip(prompt_ids, plain["single"], strict=True)]
     draft = build_bigram_draft(smollm2_dir, seqs, tmp_path_factory.mktemp("draft") / "bigram")
-    with ServeCommand(smollm2_dir, serve_args=["--draft", str(draft)]) as s:
+    cache = tmp_path_factory.mktemp("sps-cache")  # the per-machine SPS cache, on as for an operator
+    args, env = ["--draft", str(draft)], {"DSPARK_SGL_SPS_CACHE": str(cache)}
+    with ServeCommand(smollm2_dir, serve_args=args, env=env) as s:
         out = _outputs(s, prompt_ids)
     assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
     assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
     assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]  # the draft really proposed tokens
+
+    # The SPS table measured on the way is kept for this engine; a restart loads it and profiles nothing it has.
+    (file,) = cache.glob("*.json")
+    saved = json.loads(file.read_text())
+    assert 1 in saved["meta"]["buckets"] and len(saved["tokens"]) >= 8  # one request at widths 1..γ+1 at least
+    with ServeCommand(smollm2_dir, serve_args=args, env=env) as s:
+        again = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:2]]
+        info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]
+        log = s.log()
+    assert again == plain["single"][:2]
+    assert f"loaded from {file}" in log and "SPS table (batch tokens" not in log, log[-3000:]
+    assert info["sps_table"]["tokens"] == saved["tokens"] and info["decode_steps"] > 0
 
 
 def test_ngram_serve_is_lossless(smollm2_dir, prompt_ids, plain):

@@ -10,6 +10,11 @@ Target: the testkit's tiny random 8-token Llama (4 heads, 2 KV heads: splits ove
 draft with the bigram table of the target's greedy outputs in its Markov head (as tests/test_sglang_mla.py), so its
 proposals depend on the draft context written from the target's TP=2 hidden states. Four servers (plain TP1, plain
 TP2, DSPARK TP2, planted DSPARK TP2); cost printed in docs/serving.md ("Tensor parallelism").
+
+Then the other layouts at TP=2: an MLA draft (K > V, Kimi-K3's shape; replicated like the GQA one) with the same
+histogram check; the confidence schedule with the per-machine SPS cache on (rank 0's table on every rank, written by
+rank 0 only); and the KDA + MLA hybrid target of tests/test_sglang_hybrid.py (Kimi-Linear: its 4 MLA heads and 4 KDA
+heads split over 2 ranks), DSPARK TP=2 against plain TP=1 on the same target.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
 from dspark_testkit import (  # noqa: E402
     Server,
+    build_bigram_draft,
     build_random_draft,
     build_tiny_target,
     reference_accept,
     served_hists,
 )
+from tiny_hybrid import HYBRID_SERVER_ARGS, HYBRID_SERVER_ENV, build_tiny_kimi_linear  # noqa: E402
 
 from dspark_sgl.faults import ENV  # noqa: E402
+from dspark_sgl.sglang.planning import SPS_CACHE_ENV  # noqa: E402
 from tests.test_sglang_sampling import PROMPTS  # noqa: E402
 
-# Written in the session that added the rank broadcast, but never run: the box's cores were busy until the end. So it
-# carries the `tp` marker, which CI's stages deselect; `make test-tp` runs it. Move it into test-sglang once it passes.
+# The `tp` marker keeps these out of CI's stages (two processes per server; CI's 75-minute budget has no room for
+# them on 2 cores): `make test-tp` runs them.
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.tp, pytest.mark.timeout(2400)]  # 4 servers
 V, GAMMA, MAX_NEW = 8, 3, 24
 TP2 = ["--tp-size", "2"]
@@ -54,9 +62,9 @@ def setup(tmp_path_factory) -> dict:
     return {"target": target, "draft": draft, "plain": plain, "ref": ref["hists"]}
 
 
-def dspark(setup) -> list[str]:
-    return [*TP2, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(setup["draft"]),
-            "--speculative-dspark-block-size", str(GAMMA)]
+def dspark(setup, draft: Path | None = None, gamma: int = GAMMA) -> list[str]:
+    return [*TP2, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft or setup["draft"]),
+            "--speculative-dspark-block-size", str(gamma)]
 
 
 def test_plain_tp2_equals_plain_tp1(setup):
@@ -94,3 +102,62 @@ def test_planted_rank_divergence_is_caught(setup):
         return
     print(f"planted rank_sync: served {hists} reference {setup['ref']}")
     assert [o["output_ids"] for o in out] != setup["plain"] or hists != setup["ref"]
+
+
+def test_mla_draft_tp2_accepts_as_the_reference_engine(setup):
+    """Kimi-K3's draft attention (MLA, key heads wider than value heads), replicated on both ranks."""
+    from tests.test_sglang_mla import MLA
+
+    draft = build_random_draft(setup["target"], setup["draft"].parent / "mla", block_size=GAMMA, std=0.5,
+                               sequences=[p + o for p, o in zip(PROMPTS, setup["plain"], strict=True)], scale=3.0,
+                               target_layer_ids=[0, 1, 2], attention_type="mla", num_key_value_heads=4,
+                               **MLA["K>V"])
+    ref = reference_accept(setup["target"], draft, PROMPTS, MAX_NEW)
+    with Server(setup["target"], dspark(setup, draft), env=STATIC) as s:
+        out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+    hists = served_hists(out, GAMMA)
+    print(f"TP2 DSPARK, MLA draft: served {hists} reference {ref['hists']}")
+    assert [o["output_ids"] for o in out] == setup["plain"]
+    assert hists == ref["hists"]
+
+
+def test_confidence_schedule_tp2_shares_one_sps_table(setup, tmp_path):
+    """The default policy at TP=2 with the per-machine SPS cache on: lossless; one cache file (rank 0 writes); a
+    restart loads it on both ranks and profiles nothing (a rank that profiled alone would hang the other in its
+    collective forwards)."""
+    env = {SPS_CACHE_ENV: str(tmp_path)}
+    with Server(setup["target"], dspark(setup), env=env) as s:
+        first = [o["output_ids"] for o in s.generate(PROMPTS, MAX_NEW, ignore_eos=True)]
+    (file,) = tmp_path.glob("*.json")
+    with Server(setup["target"], dspark(setup), env=env) as s:
+        again = [o["output_ids"] for o in s.generate(PROMPTS, MAX_NEW, ignore_eos=True)]
+        info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]
+        log = s.log()
+    assert first == again == setup["plain"]
+    assert info["schedule"] == "confidence" and info["decode_steps"] > 0
+    assert log.count(f"loaded from {file}") == 2 and "SPS table (batch tokens" not in log, log[-3000:]
+
+
+HYBRID_GAMMA, HYBRID_PROMPTS = 4, ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5, 6,",
+                                   "Monday, Tuesday, Wednesday,"]
+
+
+def test_hybrid_target_tp2_is_lossless(smollm2_dir, tmp_path):
+    """KDA + MLA target (Kimi-Linear) split over two ranks: DSPARK TP=2 returns plain TP=1's greedy tokens; the
+    worker commits each rank's shard of the recurrent state for the accepted prefix."""
+    from transformers import AutoTokenizer
+
+    target = build_tiny_kimi_linear(tmp_path / "kimi_linear_tiny", smollm2_dir)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = [tok(p)["input_ids"] for p in HYBRID_PROMPTS]
+    with Server(target, list(HYBRID_SERVER_ARGS), dict(HYBRID_SERVER_ENV)) as s:
+        plain = [o["output_ids"] for o in s.generate(ids, MAX_NEW)]
+    draft = build_bigram_draft(target, [p + o for p, o in zip(ids, plain, strict=True)], tmp_path / "bigram",
+                               block_size=HYBRID_GAMMA, target_layer_ids=[0, 1, 2])
+    args = [*HYBRID_SERVER_ARGS, *dspark({}, draft, HYBRID_GAMMA)]
+    with Server(target, args, dict(HYBRID_SERVER_ENV)) as s:
+        out = s.generate(ids, MAX_NEW)
+    accept = [o["meta_info"]["spec_accept_length"] for o in out]
+    print(f"TP2 DSPARK on the KDA + MLA hybrid: accept lengths {accept}")
+    assert [o["output_ids"] for o in out] == plain
+    assert sum(accept) / len(accept) > 1.2  # the draft's tokens were verified and committed through the state

@@ -27,8 +27,9 @@ from dspark_sgl.faults import planted
 class RankSync:
     """`share(a, b, ...)`: rank 0's values of per-request tensors ([bs] or [bs, k], integer) on every rank.
 
-    `group` is anything with `world_size` and `broadcast(tensor, src)` that fills `tensor` in place on every rank
-    from group-local rank `src` (SGLang's GroupCoordinator: its TP group); None or one rank: a no-op."""
+    `group` is anything with `world_size`, `broadcast(tensor, src)` that fills `tensor` in place on every rank
+    from group-local rank `src`, and `broadcast_object(obj, src)` (SGLang's GroupCoordinator: its TP group); None or
+    one rank: a no-op."""
 
     def __init__(self, group=None):
         self.group = group if group is not None and group.world_size > 1 else None
@@ -45,6 +46,10 @@ class RankSync:
         self.group.broadcast(packed, src=0)
         out = packed.split([c.shape[1] for c in columns], 1)
         return tuple(o.to(v.dtype).reshape(v.shape) for o, v in zip(out, values, strict=True))
+
+    def share_object(self, obj):
+        """Rank 0's picklable `obj` on every rank (start-up state such as the SPS table, never per step)."""
+        return obj if self.group is None else self.group.broadcast_object(obj, src=0)
 
 
 def tp_rank_sync() -> RankSync:

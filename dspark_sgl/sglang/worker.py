@@ -42,7 +42,7 @@ from dspark_sgl.model.checkpoint import load_draft
 from dspark_sgl.sglang.args import override_arg
 from dspark_sgl.sglang.context import DraftContextPool
 from dspark_sgl.sglang.hybrid import HybridState, is_hybrid
-from dspark_sgl.sglang.planning import VerifyPlanner
+from dspark_sgl.sglang.planning import VerifyPlanner, engine_facts, sps_cache_file
 from dspark_sgl.sglang.ranks import tp_rank_sync
 from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
@@ -98,8 +98,10 @@ class DSparkWorker(BaseSpecWorker):
         ex = get_exec()
         self.sampling = BatchSamplingCache(self.model_runner.model_config.vocab_size, self.device,
                                            ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
-        self.planner = VerifyPlanner.from_server_args(spec, self.draft)
+        cache = sps_cache_file(engine_facts(server_args, self.device, self.model_runner.dtype, self.verify_width))
+        self.planner = VerifyPlanner.from_server_args(spec, self.draft, cache)
         self.ranks = tp_rank_sync()  # rank 0's decisions on every TP rank; a no-op at TP=1
+        self.planner.adopt(self.ranks.share_object(self.planner.state()))  # every rank profiles rank 0's buckets
         if self.ranks.active and self.ranks.group.rank_in_group != 0:
             self.planner.save_path = None  # a measured SPS table is written once, by rank 0
             if planted("rank_sync"):  # and share() broadcasts nothing: rank 1+ drafts with another seed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,13 @@ class SpsTable:
         return cls(d["tokens"], d["steps_per_s"], d.get("meta", {}))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Written whole or not at all (a temporary file renamed over it): a server reading the file, or killed
+        while writing it, never sees half a table."""
+        file = Path(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, file)
 
     @classmethod
     def load(cls, path: str | Path) -> SpsTable:

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 
 from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env, tp_size_of
+from dspark_sgl.sglang.planning import SPS_CACHE_ENV
 from dspark_sgl.sglang.serve import CPU_SERVER_ARGS as PRODUCT_CPU_ARGS
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +56,7 @@ def cpu_env(extra: dict[str, str] | None = None, tp_size: int = 1) -> dict[str, 
     """The product's CPU server environment (stand-ins the sglang venv lacks, each TP rank's cores), plus `extra`."""
     py = sglang_python()
     env = server_env(py, facts=_facts(py), tp_size=tp_size) if py else dict(os.environ)
+    env.setdefault(SPS_CACHE_ENV, "off")  # every server measures its own SPS table unless a test says otherwise
     env.update(extra or {})
     return env
 
@@ -180,7 +182,8 @@ class ServeCommand(Server):
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", *self.serve_args]
 
     def process_env(self) -> dict[str, str]:
-        return dict(os.environ, **self.env)  # `dspark serve` builds the server's environment itself
+        # `dspark serve` builds the server's environment itself; the SPS cache as in cpu_env
+        return {SPS_CACHE_ENV: "off", **os.environ, **self.env}
 
     def chat(self, content: str, max_tokens: int) -> dict:
         """One greedy request through the OpenAI-compatible endpoint."""
