@@ -12,6 +12,7 @@ from dspark_sgl.speculative.scheduler import (
     ConfidencePlanner,
     confidence_verify_lengths,
     lengths_from_admitted,
+    padded_verify_lengths,
     rank_candidates,
     schedule,
     throughput_curve,
@@ -293,3 +294,77 @@ def test_batched_requests_stay_lossless_jointly():
     assert chi_square_pvalue(exact[..., :2], [1, 1]) > 1e-3
     peek, _ = simulate(peek_ahead_lengths, anchors, seed=1)  # on the toy table, where peeking is known to bias
     assert chi_square_pvalue(peek[..., :2], [1, 1]) < 1e-12
+
+
+# --- The padded rule: one width for a batch whose verify costs SPS(R x width) ------------------------------------
+
+
+def slow_padded(conf, sps):
+    """Column by column, by brute force over every wider window: column d joins while some width m > d, counting
+    columns d..m-1 at column d's summed survival, beats the throughput with d columns."""
+    num_req, gamma = len(conf), len(conf[0])
+    survival = [[math.prod(max(0.0, min(1.0, c)) for c in row[: j + 1]) for j in range(gamma)] for row in conf]
+    column = [sum(survival[r][d] for r in range(num_req)) for d in range(gamma)]
+    tau, d = float(num_req), 0
+    while d < gamma:
+        best = max((tau + (m - d) * column[d]) * sps(num_req * (m + 1)) for m in range(d + 1, gamma + 1))
+        if not best > tau * sps(num_req * (d + 1)):
+            break
+        tau, d = tau + column[d], d + 1
+    return [d + 1] * num_req
+
+
+def test_padded_matches_the_loop_reference_on_random_inputs():
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        num_req, gamma = rng.randint(1, 9), rng.randint(1, 8)
+        conf = torch.rand(num_req, gamma, generator=gen) ** rng.choice([0.2, 1.0, 3.0])
+        population = range(1, num_req * (gamma + 1) + 3)
+        counts = sorted(rng.sample(population, min(len(population), rng.randint(1, 6))))
+        rates = sorted((rng.uniform(1, 100) for _ in counts), reverse=True)
+        sps = SpsTable(counts, rates if trial % 7 else [rng.uniform(1, 100) for _ in counts])
+        got = padded_verify_lengths(conf, sps)
+        assert got.tolist() == slow_padded(conf.tolist(), sps), (conf, sps)
+        assert got.dtype == torch.long and 1 <= int(got.min()) == int(got.max()) <= gamma + 1
+    assert padded_verify_lengths(torch.zeros(3, 0), FLAT).tolist() == [1, 1, 1]
+    assert schedule(torch.full((2, 3), 0.9), FLAT, padded=True).tolist() == [4, 4]
+
+
+def test_padded_gives_the_whole_window_to_every_row_it_pays_for():
+    """One confident request among four: the per-request rule verifies [8, 1, 1, 1], which a padded verify runs
+    as 4 x 8 tokens anyway; the padded rule weighs that cost: on a table where 32 tokens cost 4x one token it stops
+    at the width the four rows' summed survivals pay for, and gives every row that width."""
+    conf = torch.tensor([[0.99] * 7, [0.3] * 7, [0.3] * 7, [0.3] * 7])
+    steep = SpsTable([4, 8, 12, 16, 20, 24, 28, 32], [100.0, 80.0, 66.0, 57.0, 50.0, 40.0, 33.0, 25.0])
+    assert confidence_verify_lengths(conf, steep).tolist() == [8, 1, 1, 1]
+    got = padded_verify_lengths(conf, steep)
+    assert got.tolist() == slow_padded(conf.tolist(), steep)
+    w = int(got[0])
+
+    def rate(width):  # expected committed tokens per second when all four rows verify `width`
+        a = conf.double().cumprod(1)[:, : width - 1].sum()
+        return float((4 + a) * steep(4 * width))
+
+    assert 1 < w < 8 and rate(w) > rate(8)  # the per-request rule's padded cost is the full window
+
+
+def test_padded_column_decisions_read_no_later_column():
+    """Exactness: whether column d is verified must not depend on the confidences of columns > d (those read the
+    draft tokens of columns >= d, which are under test)."""
+    gen = torch.Generator().manual_seed(2)
+    sps = SpsTable([1, 4, 8, 16, 24, 32], [100.0, 90.0, 70.0, 60.0, 35.0, 30.0])
+    for _ in range(200):
+        conf = torch.rand(4, 7, generator=gen)
+        d = int(torch.randint(0, 7, (1,), generator=gen))
+        other = conf.clone()
+        other[:, d + 1 :] = torch.rand(4, 6 - d, generator=gen)
+        verified = padded_verify_lengths(conf, sps) >= d + 2  # draft column d (0-based) is in the window
+        assert torch.equal(verified, padded_verify_lengths(other, sps) >= d + 2)
+
+
+def test_padded_batched_requests_stay_lossless_jointly():
+    anchors = torch.tensor([[1, 1]]).repeat(20000, 1)
+    exact, lengths = simulate(padded_verify_lengths, anchors, seed=3, sps=BATCH_SPS)
+    assert len(set(lengths.tolist())) > 1  # the width depends on the drafts
+    assert chi_square_pvalue(exact[..., :2], [1, 1]) > 1e-3

@@ -76,10 +76,14 @@ def test_lengths_are_the_shared_scheduler_with_sts(tmp_path, monkeypatch):
     planner = VerifyPlanner.from_server_args(spec_args(sts=str(sts)), DSparkDraft(tiny_draft_config(block_size=3)))
     planner.add_profile(4, {1: 100.0, 2: 50.0, 3: 34.0, 4: 25.0})  # cost linear in tokens
     z = torch.tensor([[4.0, 4.0, 4.0], [-4.0, 4.0, 4.0], [4.0, -4.0, 0.0], [0.0, 0.0, 0.0]])
+    conf = apply_sts(z, torch.tensor([1.0, 2.0, 0.5]))
     got = planner.verify_lengths(z, 4, "cpu")
-    want = schedule(apply_sts(z, torch.tensor([1.0, 2.0, 0.5])), planner.sps, "confidence")
-    assert torch.equal(got, want)
-    assert got[1] == 1 and got[0] == got.max() > 1  # a doubtful first draft: anchor only; the confident row: most
+    # the worker's verify pads every row to the longest, so it schedules one width for the batch (padded rule)
+    assert torch.equal(got, schedule(conf, planner.sps, "confidence", padded=True))
+    assert got.tolist() == [1, 1, 1, 1]  # cost linear in tokens: 2.5 expected drafts in column 0 do not pay for 4
+    assert schedule(conf, planner.sps, "confidence").tolist() == [3, 1, 2, 1]  # per request: padded to 3
+    planner.add_profile(4, {1: 100.0, 2: 100.0, 3: 100.0, 4: 100.0})  # a verify as cheap at 16 tokens as at 4
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]
 
 
 def test_static_policy_and_stats(monkeypatch):

@@ -123,10 +123,10 @@ def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain)
     assert state["avg_spec_accept_length"] > 1.2
 
 
-# A fixed SPS table for the schedule test: flat up to 12 verify tokens per step, then 1000x slower. Every step then
-# verifies exactly min(12, R·(γ+1)) tokens for R ≤ 12 requests: a batch of 8 runs each anchor and 4 drafts (some
-# request trims), a lone request its full window, whatever the box's own speed.
-FIXED_SPS = {"tokens": [1, 12, 13], "steps_per_s": [10.0, 10.0, 0.01]}
+# A fixed SPS table for the schedule test: flat up to 16 verify tokens per step, then 1000x slower. The worker's verify
+# pads every request to one width, so a step of R requests verifies the widest window with R x width <= 16: width 2
+# (anchor + 1 draft) at 8 requests, whole windows for 2 or fewer, whatever the box's own speed.
+FIXED_SPS = {"tokens": [1, 16, 17], "steps_per_s": [10.0, 10.0, 0.01]}
 
 
 def test_confidence_schedule_runs_fewer_target_tokens(dspark, good_draft, prompt_ids, plain, sps_path, tmp_path):

@@ -189,7 +189,7 @@ class VerifyPlanner:
         if self.policy == "static" or conf_logits is None or self.sps is None:
             return torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
         conf = apply_sts(conf_logits.float(), self._temps(conf_logits.device))
-        return schedule(conf, self.sps, "confidence")
+        return schedule(conf, self.sps, "confidence", padded=True)  # the worker's verify pads to the longest row
 
     def record(self, lengths: Tensor, width: int, accepted: Tensor) -> None:
         self.steps += 1

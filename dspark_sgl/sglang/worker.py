@@ -93,6 +93,7 @@ class DSparkWorker(BaseSpecWorker):
         self.block_verification = bool(spec.speculative_use_block_verification)
         self.generator = torch.Generator(device=self.device).manual_seed(int(target_worker.random_seed))
         self.block_pos_offsets = torch.arange(self.verify_width, device=self.device)
+        self.on_cpu = torch.device(self.device).type == "cpu"
         self.context: DraftContextPool | None = None  # sized in alloc_memory_pool, once SGLang's pool exists
         self.slot_tokens: SlotTokens | None = None  # likewise: the token id at each KV slot (penalty history)
         ex = get_exec()
@@ -287,11 +288,15 @@ class DSparkWorker(BaseSpecWorker):
             lengths, w = torch.full_like(lengths, W), W
         elif self.planner.policy == "static" or prop.conf_logits is None or self.planner.sps is None:
             w = W  # every request verifies γ+1 (or fewer after a swap: rows past a length are never read)
+        elif self.on_cpu:
+            w = None  # this step's own width, read below from the lengths every rank shares
         else:
             w = self._host_width(key)
             lengths = lengths.clamp(max=w)
         lengths = self._cap_stale(lengths, ctx.stale)
         prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)  # every rank verifies rank 0's drafts
+        if w is None:  # on a CPU the lengths are host memory: reading them is no device sync
+            w = int(lengths.max())
         verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")

@@ -18,6 +18,13 @@ argument. The bound needs Theta only at the ends of the table's plateaus (within
 prefix), so it costs O(N x table size) for N = R x gamma candidates. Every candidate the first-dip rule admits is
 admitted here too.
 
+A padded verify (every request of the batch runs the same width w; SGLang's worker on CPU, where no ragged layout
+exists) costs SPS(R x w) whatever the per-request lengths, so trimming one request below w saves nothing and loses
+its drafts' chances. `padded_verify_lengths` therefore chooses one width for the whole batch, column by column:
+draft column d joins while some wider window could still beat Theta_d if every later column had column d's summed
+survival (the same look-ahead bound). Column d's decision reads survivals of columns <= d only, i.e. c[r, <=d],
+functions of x[r, <d]: exact by the same argument.
+
 Everything is vectorised torch on the confidences' device, with no host sync.
 """
 
@@ -101,6 +108,26 @@ def confidence_verify_lengths(conf: torch.Tensor, sps: SpsTable) -> torch.Tensor
     return lengths_from_admitted(request_ids, lookahead_admitted(a_sorted, num_requests, sps), num_requests)
 
 
+def padded_verify_lengths(conf: torch.Tensor, sps: SpsTable) -> torch.Tensor:
+    """One verify length for every request (1 + the admitted draft columns), for a verify whose cost is
+    SPS(R x width). conf [R, gamma] -> lengths [R] long in [1, gamma + 1], all equal, on conf's device."""
+    _check_conf(conf)
+    num_requests, gamma = conf.shape
+    dev = conf.device
+    if conf.numel() == 0:
+        return torch.ones(num_requests, dtype=torch.long, device=dev)
+    c = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    column = c.cumprod(dim=1).sum(dim=0)  # A_d: expected accepted drafts in column d, non-increasing in d
+    tau = torch.cat([column.new_zeros(1), column.cumsum(0)]) + num_requests  # tau_d with d columns, d = 0..gamma
+    d = torch.arange(gamma + 1, device=dev)
+    theta = tau * sps.lookup(num_requests * (d + 1))  # Theta_d
+    m = d[None, 1:]  # wider windows m = d+1 .. gamma
+    bound = (tau[:gamma, None] + (m - d[:gamma, None]) * column[:, None]) * sps.lookup(num_requests * (m + 1))
+    bound = bound.masked_fill(m <= d[:gamma, None], float("-inf")).amax(dim=1)
+    admitted = (bound > theta[:gamma]).long().cumprod(0).sum()
+    return (admitted + 1).expand(num_requests).clone()
+
+
 def static_verify_lengths(
     num_requests: int, gamma: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -108,15 +135,17 @@ def static_verify_lengths(
     return torch.full((num_requests,), gamma + 1, dtype=torch.long, device=device)
 
 
-def schedule(conf: torch.Tensor, sps: SpsTable | None, policy: Policy = "confidence") -> torch.Tensor:
-    """The engines' one call: verify lengths [R] for this step under the given policy."""
+def schedule(conf: torch.Tensor, sps: SpsTable | None, policy: Policy = "confidence",
+             padded: bool = False) -> torch.Tensor:
+    """The engines' one call: verify lengths [R] for this step under the given policy. `padded`: the engine's
+    verify runs every request at the batch's longest length (one width for all: `padded_verify_lengths`)."""
     _check_conf(conf)
     if policy == "static":
         return static_verify_lengths(conf.shape[0], conf.shape[1], conf.device)
     if policy == "confidence":
         if sps is None:
             raise ValueError("the 'confidence' schedule needs an SPS table (profile one or load a JSON)")
-        return confidence_verify_lengths(conf, sps)
+        return padded_verify_lengths(conf, sps) if padded else confidence_verify_lengths(conf, sps)
     raise ValueError(f"unknown schedule policy {policy!r}; expected one of {POLICIES}")
 
 
