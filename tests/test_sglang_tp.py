@@ -13,8 +13,9 @@ TP2, DSPARK TP2, planted DSPARK TP2); cost printed in docs/serving.md ("Tensor p
 
 Then the other layouts at TP=2: an MLA draft (K > V, Kimi-K3's shape; replicated like the GQA one) with the same
 histogram check; the confidence schedule with the per-machine SPS cache on (rank 0's table on every rank, written by
-rank 0 only); and the KDA + MLA hybrid target of tests/test_sglang_hybrid.py (Kimi-Linear: its 4 MLA heads and 4 KDA
-heads split over 2 ranks), DSPARK TP=2 against plain TP=1 on the same target.
+rank 0 only); the KDA + MLA hybrid target of tests/test_sglang_hybrid.py (Kimi-Linear: its 4 MLA heads and 4 KDA
+heads split over 2 ranks), DSPARK TP=2 against plain TP=1 on the same target; and sampled requests against the
+shared definition (chi-square).
 """
 
 from __future__ import annotations
@@ -161,3 +162,25 @@ def test_hybrid_target_tp2_is_lossless(smollm2_dir, tmp_path):
     print(f"TP2 DSPARK on the KDA + MLA hybrid: accept lengths {accept}")
     assert [o["output_ids"] for o in out] == plain
     assert sum(accept) / len(accept) > 1.2  # the draft's tokens were verified and committed through the state
+
+
+def test_served_distribution_at_tp2_equals_the_definition(setup):
+    """Sampled requests at TP=2 on the default (confidence) schedule: each rank draws its own acceptance uniforms,
+    rank 0's accepted counts and bonus tokens are committed. The joint of the first three tokens must follow the
+    shared definition (the chi-square of tests/test_sglang_sampling.py, 2,000 samples per set), with drafts
+    accepted."""
+    from tests.test_sampling import chi2_pvalue
+    from tests.test_sglang_sampling import PROMPT, SAMPLED, N, counts, exact_joint, generate
+
+    sets = ["T=0.7", "top-k 3 + top-p 0.8"]
+    params = [SAMPLED[name] for name in sets for _ in range(N)]
+    with Server(setup["target"], [*dspark(setup), "--random-seed", "2"]) as s:
+        outs = generate(s, [PROMPT] * len(params), params, 3)
+        info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]
+    for i, name in enumerate(sets):
+        exact = exact_joint(setup["target"], SAMPLED[name])
+        c = counts(outs[i * N : (i + 1) * N])
+        p = chi2_pvalue(c, exact)
+        print(f"TP2 DSPARK sampled {name}: p = {p:.3g} over {N} samples")
+        assert p > 1e-4 and c[exact == 0].sum() == 0
+    assert info["schedule"] == "confidence" and info["mean_accepted_drafts"] > 0, info
