@@ -84,8 +84,8 @@ test-planted-worker:
 	$(MAKE) test-planted PLANTED_K='$(PLANTED_WORKER)'
 
 # TP=2 servers (tests/test_sglang_tp.py: plain TP2 = TP1, DSPARK TP2 lossless with GQA and MLA drafts and on the
-# hybrid target, the confidence schedule's shared SPS table, planted rank divergence caught). Not in CI: its servers
-# do not fit CI's 75-minute budget on 2 cores (docs/serving.md, "Tensor parallelism").
+# hybrid target, the confidence schedule's shared SPS table, the sampled distribution, planted rank divergence
+# caught). Not in CI: its servers do not fit CI's 75-minute budget on 2 cores (docs/serving.md, "Tensor parallelism").
 test-tp: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
