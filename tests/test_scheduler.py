@@ -142,10 +142,11 @@ def test_ranking_is_prefix_closed_with_ties_and_ones():
             seen.add((r, j))
 
 
-def test_matches_the_loop_reference_on_random_inputs():
-    rng = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(300):
+def random_cases(seed: int, n: int = 300):
+    """(conf, sps): random confidences (every 5th with exact ties) and tables (every 7th not monotone)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(n):
         num_req, gamma = rng.randint(1, 9), rng.randint(1, 8)
         conf = torch.rand(num_req, gamma, generator=gen) ** rng.choice([0.2, 1.0, 3.0])
         if trial % 5 == 0:
@@ -153,9 +154,14 @@ def test_matches_the_loop_reference_on_random_inputs():
         population = range(1, num_req * (gamma + 1) + 3)
         counts = sorted(rng.sample(population, min(len(population), rng.randint(1, 6))))
         rates = sorted((rng.uniform(1, 100) for _ in counts), reverse=True)
-        sps = SpsTable(counts, rates)
         if trial % 7 == 0:
-            sps = SpsTable(counts, [rng.uniform(1, 100) for _ in counts])  # not monotone: still must agree
+            rates = [rng.uniform(1, 100) for _ in counts]  # not monotone: still must agree
+        yield conf, SpsTable(counts, rates)
+
+
+def test_matches_the_loop_reference_on_random_inputs():
+    for conf, sps in random_cases(0):
+        gamma = conf.shape[1]
         got = confidence_verify_lengths(conf, sps)
         assert got.tolist() == slow_schedule(conf.tolist(), sps), (conf, sps)
         assert got.dtype == torch.long and int(got.min()) >= 1 and int(got.max()) <= gamma + 1
@@ -315,15 +321,8 @@ def slow_padded(conf, sps):
 
 
 def test_padded_matches_the_loop_reference_on_random_inputs():
-    rng = random.Random(1)
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(300):
-        num_req, gamma = rng.randint(1, 9), rng.randint(1, 8)
-        conf = torch.rand(num_req, gamma, generator=gen) ** rng.choice([0.2, 1.0, 3.0])
-        population = range(1, num_req * (gamma + 1) + 3)
-        counts = sorted(rng.sample(population, min(len(population), rng.randint(1, 6))))
-        rates = sorted((rng.uniform(1, 100) for _ in counts), reverse=True)
-        sps = SpsTable(counts, rates if trial % 7 else [rng.uniform(1, 100) for _ in counts])
+    for conf, sps in random_cases(1):
+        gamma = conf.shape[1]
         got = padded_verify_lengths(conf, sps)
         assert got.tolist() == slow_padded(conf.tolist(), sps), (conf, sps)
         assert got.dtype == torch.long and 1 <= int(got.min()) == int(got.max()) <= gamma + 1
