@@ -102,7 +102,8 @@ class DSparkWorker(BaseSpecWorker):
         cache = sps_cache_file(engine_facts(server_args, self.device, self.model_runner.dtype, self.verify_width))
         self.planner = VerifyPlanner.from_server_args(spec, self.draft, cache)
         self.ranks = tp_rank_sync()  # rank 0's decisions on every TP rank; a no-op at TP=1
-        self.planner.adopt(self.ranks.share_object(self.planner.state()))  # every rank profiles rank 0's buckets
+        if self.ranks.active:  # every rank profiles rank 0's buckets: each probe is a collective forward
+            self.planner.adopt(self.ranks.share_object(self.planner.state()))
         if self.ranks.active and self.ranks.group.rank_in_group != 0:
             self.planner.save_path = None  # a measured SPS table is written once, by rank 0
             if planted("rank_sync"):  # and share() broadcasts nothing: rank 1+ drafts with another seed
