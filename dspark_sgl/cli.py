@@ -136,7 +136,7 @@ def build_vocab(
 
 
 def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None,
-            block_size: int | None = None, time_split: bool = True):
+            block_size: int | None = None, time_split: bool = True, batch_size: int = 1):
     from dspark_sgl.loading import load_pair
     from dspark_sgl.speculative.engine import SpecEngine
 
@@ -145,7 +145,7 @@ def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule
     if schedule == "confidence" and model is not None:
         from dspark_sgl.speculative.engine import confidence_planner
 
-        planner = confidence_planner(tgt, model, sps)
+        planner = confidence_planner(tgt, model, sps, max_batch=batch_size)
     elif schedule != "static":
         _fail(f"--schedule must be static or confidence, got {schedule!r}")
     return SpecEngine(tgt, model, planner, time_split=time_split), tok
@@ -230,7 +230,7 @@ def eval_cmd(
     from dspark_sgl.speculative.engine import SamplingConfig
 
     try:
-        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size)
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size, batch_size=batch_size)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     reports = []

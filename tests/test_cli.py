@@ -66,6 +66,16 @@ def test_init_generate_eval_calibrate(tiny_dir, tmp_path):
     assert json.loads(res.stdout.strip().splitlines()[-1])["token_ids"] == json.loads(
         invoke("generate", "--target", tiny_dir, "--no-draft", "--chat", "one two", "--max-new-tokens", "8",
                "--json").stdout.strip().splitlines()[-1])["token_ids"]
+    # the recipe's closing eval with eval.schedule=confidence (SPS profiled for its batch): same tokens as plain
+    from training.recipe import Recipe
+    from training.trainer import final_eval
+
+    recipe = Recipe.model_validate({"target": {"path": str(tiny_dir)}, "eval": {
+        "datasets": [str(data)], "num_prompts": 3, "max_new_tokens": 10, "dtype": "float32", "batch_size": 3,
+        "schedule": "confidence"}})
+    res = final_eval(recipe, draft, tmp_path / "eval.json", log=lambda *_: None)
+    assert res["dspark"]["meta"]["schedule"] == "confidence"
+    assert res["dspark"]["datasets"][0]["tokens"] == res["plain"]["datasets"][0]["tokens"] == rep["tokens"]
 
 
 def test_bad_input_gives_one_clear_error(tiny_dir, tmp_path):

@@ -119,8 +119,8 @@ def exact_three_token_distribution(model, prompt, temperature, top_p, V):
 
 
 @pytest.mark.parametrize("acceptance,top_p,scheduled", [
-    ("rejection", 1.0, False), ("block", 1.0, False), ("rejection", 0.8, False), ("block", 0.8, False),
-    ("rejection", 1.0, True), ("block", 0.8, True)])
+    ("rejection", 1.0, None), ("block", 1.0, None), ("rejection", 0.8, None), ("block", 0.8, None),
+    ("rejection", 1.0, "ragged"), ("block", 0.8, "ragged"), ("rejection", 1.0, "padded"), ("block", 0.8, "padded")])
 def test_engine_samples_equal_the_target_distribution(acceptance, top_p, scheduled):
     V = 6
     model, target, draft = tiny_with_random_draft(V)
@@ -129,17 +129,24 @@ def test_engine_samples_equal_the_target_distribution(acceptance, top_p, schedul
     planner = None
     if scheduled:  # confidence-scheduled verify lengths (Algorithm 1) must keep the distribution exact
         from dspark_sgl.speculative.scheduler import ConfidencePlanner
+        from dspark_sgl.speculative.sps import SpsTable
         from tests.test_engine import steep_sps
 
-        planner = ConfidencePlanner(steep_sps())
+        sps = steep_sps()
+        if scheduled == "padded":  # one width for all n rows: the same steepness per row as the ragged case
+            sps = SpsTable([n * t for t in sps.tokens], sps.steps_per_s)
+        planner = ConfidencePlanner(sps, padded=scheduled == "padded")
     out = SpecEngine(target, draft, planner).generate(
         [prompt] * n, 3, SamplingConfig(temperature=1.0, top_p=top_p, acceptance=acceptance, seed=7))
     seqs = torch.tensor([o.token_ids for o in out])
     counts = torch.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3)
     assert chi2_pvalue(counts, exact) > 1e-3
     assert sum(sum(o.stats.accepted) for o in out) > (0.1 if scheduled else 0.2) * n  # drafts really accepted
-    if scheduled:  # and the schedule really varied the verify lengths
-        assert len({v for o in out for v in o.stats.verified}) > 1
+    verified = {v for o in out for v in o.stats.verified}
+    if scheduled == "ragged":  # and the schedule really varied the verify lengths
+        assert len(verified) > 1
+    if scheduled:  # the schedule really trimmed the window somewhere (one width per batch step when padded)
+        assert min(verified) < draft.config.block_size
     if top_p < 1.0:  # tokens outside the nucleus never appear
         assert counts[exact == 0].sum() == 0
     # and the plain sampler agrees with the same enumeration (the test's own reference is right)

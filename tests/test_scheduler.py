@@ -348,6 +348,18 @@ def test_padded_gives_the_whole_window_to_every_row_it_pays_for():
     assert 1 < w < 8 and rate(w) > rate(8)  # the per-request rule's padded cost is the full window
 
 
+def test_reference_planner_pads_like_its_verify():
+    """The reference engine verifies every row at the batch's longest length, so its planner schedules one width
+    (the padded rule) unless told the verify is ragged."""
+    conf = torch.tensor([[0.99] * 7, [0.3] * 7, [0.3] * 7, [0.3] * 7])
+    steep = SpsTable([4, 8, 12, 16, 20, 24, 28, 32], [100.0, 80.0, 66.0, 57.0, 50.0, 40.0, 33.0, 25.0])
+    prop = Proposal(tokens=torch.zeros(4, 7, dtype=torch.long), logits=torch.zeros(4, 7, 5),
+                    conf_logits=torch.logit(conf))
+    padded = ConfidencePlanner(steep)(prop)
+    assert padded.tolist() == padded_verify_lengths(conf, steep).tolist() and len(set(padded.tolist())) == 1
+    assert ConfidencePlanner(steep, padded=False)(prop).tolist() == [8, 1, 1, 1]
+
+
 def test_padded_column_decisions_read_no_later_column():
     """Exactness: whether column d is verified must not depend on the confidences of columns > d (those read the
     draft tokens of columns >= d, which are under test)."""

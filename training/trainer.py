@@ -481,13 +481,14 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
     """`dspark eval` on the held-out prompts with the exported draft (T, dtype from the recipe) + the plain baseline."""
     from dspark_sgl.evaluate import evaluate_dataset, plot_acceptance, report_dict
     from dspark_sgl.loading import eos_ids, load_pair
-    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
+    from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine, confidence_planner
 
     e = recipe.eval
     if e.threads:
         torch.set_num_threads(e.threads)
     target, draft, tok = load_pair(recipe.target.path, str(draft_dir), e.dtype)
-    engines = {"dspark": SpecEngine(target, draft)}
+    planner = confidence_planner(target, draft, max_batch=e.batch_size) if e.schedule == "confidence" else None
+    engines = {"dspark": SpecEngine(target, draft, planner)}
     if e.baseline:
         engines["plain"] = SpecEngine(target, None)
     reports = {}
@@ -507,7 +508,8 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
             f"{[round(a, 2) for a in spec.per_position_accept]}")
         log(f"wrote {plot_acceptance(spec, out.parent / f'eval.{rep.name}.accept.png')}")
     result = {name: report_dict([d[name] for d in reports.values() if name in d], draft=str(draft_dir), engine=name,
-                                temperature=e.temperature, dtype=e.dtype) for name in engines}
+                                temperature=e.temperature, dtype=e.dtype,
+                                **({"schedule": e.schedule} if name == "dspark" else {})) for name in engines}
     out.write_text(json.dumps(result, indent=2))
     return result
 

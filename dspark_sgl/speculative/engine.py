@@ -298,8 +298,10 @@ def profile_target_sps(target: HFTarget, max_tokens: int, context: int = 128, re
     return profile_sps(step, default_token_counts(max_tokens), warmup=1, repeats=repeats, sync=sync)
 
 
-def confidence_planner(target: HFTarget, draft: DSparkDraft, sps_path=None, max_batch: int = 8):
-    """The `confidence` schedule: SPS table from sps_path (or profiled now), STS temperatures from the draft."""
+def confidence_planner(target: HFTarget, draft: DSparkDraft, sps_path=None, max_batch: int = 1):
+    """The `confidence` schedule: SPS table from sps_path (or profiled now up to max_batch full windows: past the
+    table's last count a lookup repeats its last value, which would price a wider verify as free), STS temperatures
+    from the draft."""
     from dspark_sgl.speculative.scheduler import ConfidencePlanner
     from dspark_sgl.speculative.sps import SpsTable
 

@@ -152,11 +152,14 @@ def schedule(conf: torch.Tensor, sps: SpsTable | None, policy: Policy = "confide
 @dataclass
 class ConfidencePlanner:
     """The reference engine's planner: Proposal -> verify lengths [B]. Applies the STS temperatures to the
-    raw confidence logits, then schedules. Engines that lag confidences call `schedule` directly."""
+    raw confidence logits, then schedules. Engines that lag confidences call `schedule` directly.
+    `padded` (default): the reference engine verifies every row at the batch's longest length, so its schedule is
+    the one-width rule; False gives per-request lengths (a ragged verify's rule)."""
 
     sps: SpsTable | None
     temperatures: torch.Tensor | None = None
     policy: Policy = "confidence"
+    padded: bool = True
     _temps_on: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,7 +175,7 @@ class ConfidencePlanner:
         if proposal.conf_logits is None:
             raise ValueError("the 'confidence' schedule needs a draft with a confidence head")
         logits = proposal.conf_logits.float()
-        return confidence_verify_lengths(apply_sts(logits, self._temperatures(logits.device)), self.sps)
+        return schedule(apply_sts(logits, self._temperatures(logits.device)), self.sps, "confidence", self.padded)
 
     def _temperatures(self, device: torch.device) -> torch.Tensor | None:
         # Cached per device: a fresh host->device copy every step would be a sync point.
