@@ -48,7 +48,7 @@ from typing import NoReturn
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "context_keep", "stale_cap", "d2t_sampled", "markov_prev", "kv_rollback",
-    "penalty_drafts", "top_p_boundary", "seed", "rank_sync",
+    "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree",
 })
 
 

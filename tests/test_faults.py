@@ -202,7 +202,8 @@ ENGINE_CHECKS = {
     "top_p_boundary": lambda: check_chi2(top_p_pvalue),
     "seed": check_seed,
 }
-WORKER_ONLY = {"hybrid_commit", "stale_cap", "rank_sync"}  # tests/test_sglang_planted.py; rank_sync: test_rank_sync.py
+# tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
+WORKER_ONLY = {"hybrid_commit", "stale_cap", "rank_sync", "rank_agree"}
 
 
 def test_every_plant_has_a_check():

@@ -273,6 +273,9 @@ def test_the_disk_update_hook_refuses_outside_the_root_and_loads_the_resolved_pa
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    tp = types.ModuleType("sglang.srt.distributed")  # one rank: the shared decision is this process's own
+    tp.get_tp_group = lambda: SimpleNamespace(world_size=1)
+    monkeypatch.setitem(sys.modules, tp.__name__, tp)
     monkeypatch.setattr(weights, "draft_root", lambda: str(root))
     loaded = []
 

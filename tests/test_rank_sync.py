@@ -41,6 +41,11 @@ class GlooGroup:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_object(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
 
 def _rank(rank: int, store: str, out: str, planted: str | None) -> None:
     from tests.test_worker_step_capture import decode_step, inputs, make_draft, make_rows, planner, run
@@ -119,3 +124,67 @@ def test_planted_unshared_ranks_diverge(tmp_path):
     r0, r1 = two_ranks(tmp_path, planted="rank_sync")
     assert r1["broadcasts"] == 0
     assert {f"{case}.tokens" for case in CASES} <= set(disagreements(r0, r1))
+
+
+# ---- live draft updates: every rank installs the update, or none does ---------------------------------------------
+UPDATE_CASES = ("same folder", "folder missing on rank 1", "NaN tensor on rank 1")
+
+
+def _update_rank(rank: int, store: str, tmp: str, planted: str | None) -> None:
+    """Each rank's DraftUpdater gets the same calls, as SGLang's scheduler hands them to every TP rank, but reads
+    what its own node has: rank 1 may lack the folder or receive a corrupt tensor."""
+    from dspark_sgl.model.checkpoint import save_draft
+    from dspark_sgl.sglang.weights import named_tensors
+    from tests.test_live_update import Host, make_draft
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    tmp = Path(tmp)
+    host = Host(make_draft(0))
+    host.updater._ranks = RankSync(GlooGroup())
+    new = make_draft(1)
+    if rank == 0:
+        save_draft(new, tmp / "new")
+    dist.barrier()
+    results = {}
+    with plant(planted):
+        for case in UPDATE_CASES:
+            if case == "NaN tensor on rank 1":
+                items = named_tensors(new)
+                if rank:
+                    items = [(k, v.clone().fill_(float("nan")) if k == "fc.weight" else v) for k, v in items]
+                ok, msg = host.updater.update_weights_from_tensor(items)
+            else:
+                path = tmp / ("elsewhere" if rank and case == "folder missing on rank 1" else "new")
+                ok, msg = host.updater.update_weights_from_disk(str(path), "auto")
+            results[case] = {"ok": ok, "msg": msg, "fc": host.draft.fc.weight.detach().clone()}
+            host.draft = make_draft(0)  # back to the old draft for the next case
+    torch.save(results, tmp / f"update{rank}.pt")
+    dist.destroy_process_group()
+
+
+def two_rank_updates(tmp_path: Path, planted: str | None = None) -> tuple[dict, dict]:
+    mp.spawn(_update_rank, args=(str(tmp_path / "store"), str(tmp_path), planted), nprocs=2, join=True)
+    return torch.load(tmp_path / "update0.pt"), torch.load(tmp_path / "update1.pt")
+
+
+def test_a_draft_update_lands_on_every_rank_or_on_none(tmp_path):
+    r0, r1 = two_rank_updates(tmp_path)
+    assert r0["same folder"]["ok"] and r1["same folder"]["ok"]
+    for case in UPDATE_CASES:
+        assert r0[case]["ok"] == r1[case]["ok"] and torch.equal(r0[case]["fc"], r1[case]["fc"]), case
+    for case in UPDATE_CASES[1:]:  # refused on both ranks, and rank 0 (whose answer the client sees) names rank 1
+        assert not r0[case]["ok"] and r0[case]["msg"] == r1[case]["msg"], case
+        assert "rank 1: " in r0[case]["msg"] and "rank 0: " not in r0[case]["msg"], r0[case]["msg"]
+    assert "is not a folder" in r0["folder missing on rank 1"]["msg"]
+    assert "NaN" in r0["NaN tensor on rank 1"]["msg"]
+
+
+@pytest.mark.planted
+def test_planted_rank_local_updates_diverge(tmp_path):
+    """Without the agreement rank 0 installs what rank 1 could not read: the ranks serve different drafts while the
+    client is told the update succeeded."""
+    r0, r1 = two_rank_updates(tmp_path, planted="rank_agree")
+    for case in UPDATE_CASES[1:]:
+        assert r0[case]["ok"] and not r1[case]["ok"], case
+        assert not torch.equal(r0[case]["fc"], r1[case]["fc"]), case

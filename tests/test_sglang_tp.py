@@ -14,8 +14,8 @@ TP2, DSPARK TP2, planted DSPARK TP2); cost printed in docs/serving.md ("Tensor p
 Then the other layouts at TP=2: an MLA draft (K > V, Kimi-K3's shape; replicated like the GQA one) with the same
 histogram check; the confidence schedule with the per-machine SPS cache on (rank 0's table on every rank, written by
 rank 0 only); the KDA + MLA hybrid target of tests/test_sglang_hybrid.py (Kimi-Linear: its 4 MLA heads and 4 KDA
-heads split over 2 ranks), DSPARK TP=2 against plain TP=1 on the same target; and sampled requests against the
-shared definition (chi-square).
+heads split over 2 ranks), DSPARK TP=2 against plain TP=1 on the same target; sampled requests against the
+shared definition (chi-square); and a live draft swap, after which both ranks serve the new draft.
 """
 
 from __future__ import annotations
@@ -137,6 +137,28 @@ def test_confidence_schedule_tp2_shares_one_sps_table(setup, tmp_path):
     assert first == again == setup["plain"]
     assert info["schedule"] == "confidence" and info["decode_steps"] > 0
     assert log.count(f"loaded from {file}") == 2 and "SPS table (batch tokens" not in log, log[-3000:]
+
+
+def test_live_swap_at_tp2_serves_the_new_draft_on_every_rank(setup, tmp_path):
+    """A draft pushed into a running TP=2 server (/update_weights_from_disk) is read by both ranks and installed by
+    both or neither (RankSync.agree, tests/test_rank_sync.py): before the swap the server accepts as the reference
+    engine with the old draft, after it as the reference engine with the new one, every output plain TP=1's."""
+    old = build_random_draft(setup["target"], tmp_path / "old", block_size=GAMMA, seed=5, std=0.5,
+                             target_layer_ids=[0, 1, 2])  # no bigram table: it accepts less than setup's draft
+    ref_old = reference_accept(setup["target"], old, PROMPTS, MAX_NEW)["hists"]
+    assert ref_old != setup["ref"]  # the histograms tell the two drafts apart
+    with Server(setup["target"], dspark(setup, old), env=STATIC) as s:
+        before = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+        res = s.post("/update_weights_from_disk", {"model_path": str(setup["draft"])})
+        after = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
+        update = s.get("/server_info")["internal_states"][0]["dspark_info_record"]["draft_update"]
+    print(f"TP2 live swap: {res.get('message')!r}; before {served_hists(before, GAMMA)} (reference {ref_old}), "
+          f"after {served_hists(after, GAMMA)} (reference {setup['ref']})")
+    assert res["success"] and "rank" not in res["message"], res
+    assert update["swaps"] == 1 and update["refused"] == 0, update
+    assert [o["output_ids"] for o in before] == [o["output_ids"] for o in after] == setup["plain"]
+    assert served_hists(before, GAMMA) == ref_old
+    assert served_hists(after, GAMMA) == setup["ref"]
 
 
 HYBRID_GAMMA, HYBRID_PROMPTS = 4, ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5, 6,",

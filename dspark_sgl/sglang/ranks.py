@@ -28,8 +28,8 @@ class RankSync:
     """`share(a, b, ...)`: rank 0's values of per-request tensors ([bs] or [bs, k], integer) on every rank.
 
     `group` is anything with `world_size`, `broadcast(tensor, src)` that fills `tensor` in place on every rank
-    from group-local rank `src`, and `broadcast_object(obj, src)` (SGLang's GroupCoordinator: its TP group); None or
-    one rank: a no-op."""
+    from group-local rank `src`, `broadcast_object(obj, src)` and `all_gather_object(obj)` (SGLang's
+    GroupCoordinator: its TP group); None or one rank: a no-op."""
 
     def __init__(self, group=None):
         self.group = group if group is not None and group.world_size > 1 else None
@@ -50,6 +50,18 @@ class RankSync:
     def share_object(self, obj):
         """Rank 0's picklable `obj` on every rank (start-up state such as the SPS table, never per step)."""
         return obj if self.group is None else self.group.broadcast_object(obj, src=0)
+
+    def agree(self, ok: bool, message: str) -> tuple[bool, str]:
+        """Whether a rank-local action succeeded on EVERY rank: (True, message) if so, else (False, each failed
+        rank's message). A live draft update is read by each rank from its own disk (another node's may lack the
+        folder or hold another file); installed on some ranks only, rank 0 would report success while rank 1 served
+        the old draft. One all-gather of (ok, message), at a point every rank reaches (SGLang hands each request to
+        all TP ranks), never per step."""
+        if self.group is None or planted("rank_agree"):
+            return ok, message
+        verdicts = self.group.all_gather_object((bool(ok), str(message)))
+        failed = [f"rank {r}: {m}" for r, (good, m) in enumerate(verdicts) if not good]
+        return (True, message) if not failed else (False, "; ".join(failed))
 
 
 def tp_rank_sync() -> RankSync:

@@ -48,6 +48,7 @@ from torch import Tensor
 from dspark_sgl.config import ConfigError, DSparkConfig
 from dspark_sgl.model.checkpoint import CheckpointError, canonical_name, check_state_dict, read_state_dict
 from dspark_sgl.model.draft import DSparkDraft
+from dspark_sgl.sglang.ranks import RankSync
 from dspark_sgl.speculative.sps import SpsTable
 
 logger = logging.getLogger(__name__)
@@ -262,25 +263,37 @@ class UpdateRecord:
 
 class DraftUpdater:
     """`runner.weight_updater` for the ("draft", runner) pair. Every call returns (success, message) and never
-    raises: an exception here would end the scheduler."""
+    raises: an exception here would end the scheduler.
 
-    def __init__(self, get_draft, install, invalidate):
+    Under TP every rank's updater gets the same call at the same point of the scheduler loop and reads the update
+    itself; `ranks` (RankSync) makes the outcome one for all: a staged part or a whole update is taken only if every
+    rank took it (`RankSync.agree`), and which way a disk update goes (draft or target folder) is rank 0's view."""
+
+    def __init__(self, get_draft, install, invalidate, ranks: RankSync | None = None):
         self._get_draft, self._install, self._invalidate = get_draft, install, invalidate
+        self._ranks = ranks or RankSync()
         self.record = UpdateRecord()
         self._staging: Staging | None = None
 
     def _expected(self) -> dict[str, torch.Size]:
         return {k: v.shape for k, v in self._get_draft().state_dict().items()}
 
+    def _refuse(self, error: str) -> tuple[bool, str]:
+        self.record.refused += 1
+        self.record.last_error = error
+        logger.error("dspark-sgl draft update refused, the current draft keeps serving: %s", error)
+        return False, f"draft update refused (the current draft keeps serving): {error}"
+
     def _swap(self, make) -> tuple[bool, str]:
         t0 = time.perf_counter()
+        release, error = None, ""
         try:
             release = make()
         except (UpdateRefused, ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
-            self.record.refused += 1
-            self.record.last_error = str(e)
-            logger.error("dspark-sgl draft update refused, the current draft keeps serving: %s", e)
-            return False, f"draft update refused (the current draft keeps serving): {e}"
+            error = str(e)
+        ok, error = self._ranks.agree(release is not None, error)  # all ranks install it, or none
+        if not ok:
+            return self._refuse(error)
         self._install(release)
         ms = (time.perf_counter() - t0) * 1e3
         r = self.record
@@ -293,9 +306,13 @@ class DraftUpdater:
     # disk
     def update_weights_from_disk(self, model_path: str, load_format=None, recapture_cuda_graph: bool = False,
                                  **_unused) -> tuple[bool, str]:
-        if not is_draft_folder(model_path):  # `all` with a target folder: the target changed, our context too
-            self._invalidate()
+        if not self._ranks.share_object(is_draft_folder(model_path)):  # `all` with a target folder: the target
+            self._invalidate()                                          # changed, our context too
             return True, f"draft unchanged ({TARGET_CHANGED}; its old context is no longer read)"
+        return self.update_draft_from_disk(model_path)
+
+    def update_draft_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """A folder every rank has been told holds a draft (route_disk_update decided on rank 0's view)."""
         return self._swap(lambda: read_folder(self._get_draft(), model_path))
 
     # sessions: tensor and distributed
@@ -313,14 +330,15 @@ class DraftUpdater:
     def _stage(self, items, source: str) -> tuple[bool, str]:
         if self._staging is None:
             self._staging = Staging()
-        expected = self._expected()
+        expected, error = self._expected(), None
         try:
             self._staging.add(items, expected)
         except (UpdateRefused, ValueError) as e:
+            error = str(e)
+        ok, error = self._ranks.agree(error is None, error or "")  # every rank staged this part, or none keeps it
+        if not ok:
             self._staging = Staging()
-            self.record.refused += 1
-            self.record.last_error = str(e)
-            return False, f"draft update refused (the current draft keeps serving): {e}"
+            return self._refuse(error)
         if not self._staging.complete(expected):
             n = len(self._staging.state)
             return True, f"draft update staged {n}/{len(expected)} tensors; it is installed when all have arrived"
@@ -358,15 +376,23 @@ def route_disk_update(original, manager, recv_req):
     and nothing is loaded."""
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput
 
-    root = draft_root()
+    from dspark_sgl.sglang.ranks import tp_rank_sync
+
+    refusal, root = None, draft_root()
     if root is not None:
         try:
             recv_req.model_path = str(inside_draft_root(recv_req.model_path, root))
         except UpdateRefused as e:
-            logger.error("dspark-sgl disk update refused, the current weights keep serving: %s", e)
-            return UpdateWeightFromDiskReqOutput(success=False, num_paused_requests=0,
-                                                 message=f"disk update refused (the current weights keep serving): {e}")
-    if not is_draft_folder(recv_req.model_path):
+            refusal = str(e)
+    # Every TP rank runs this for the same request; each decides from its own disk, and ranks that took different
+    # branches would meet different collectives (a hang). Rank 0's decision is everyone's.
+    refusal, recv_req.model_path, draft = tp_rank_sync().share_object(
+        (refusal, recv_req.model_path, refusal is None and is_draft_folder(recv_req.model_path)))
+    if refusal is not None:
+        logger.error("dspark-sgl disk update refused, the current weights keep serving: %s", refusal)
+        msg = f"disk update refused (the current weights keep serving): {refusal}"
+        return UpdateWeightFromDiskReqOutput(success=False, num_paused_requests=0, message=msg)
+    if not draft:
         return original(manager, recv_req)
     runners = manager._select_runners("draft")
     if not runners:
@@ -375,7 +401,7 @@ def route_disk_update(original, manager, recv_req):
     with manager._observe_weight_load("disk"):
         ok, msg = True, ""
         for _, runner in runners:
-            ok, msg = runner.weight_updater.update_weights_from_disk(recv_req.model_path, recv_req.load_format)
+            ok, msg = runner.weight_updater.update_draft_from_disk(recv_req.model_path)
             if not ok:
                 break
     if ok:

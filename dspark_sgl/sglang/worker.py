@@ -114,7 +114,7 @@ class DSparkWorker(BaseSpecWorker):
         self._stale_rows: Tensor | int = 0  # request-steps capped by a stale context, summed on the device
         self._prompts: tuple[tuple, list[int], Tensor] | None = None  # (requests, host, device) prompt lengths
         self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
-        self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context)
+        self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context, self.ranks)
         self.traffic = TrafficRecorder.from_server_args()
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
