@@ -12,6 +12,8 @@ The sites (docs/testing.md has the table of which test catches which):
     verify_limit    - the verify limit is `lengths - 2`, not `lengths - 1`: the last scheduled draft is never accepted
                       (worker._forward_decode; engine._spec_step with a planner)
     hybrid_commit   - a hybrid target's recurrent state is committed for c + 2 tokens, not c + 1 (worker)
+    hybrid_state    - after each commit, a hybrid target's recurrent state (SSM state, conv window) of the batch's
+                      requests is zeroed: shows the served output depends on that state (sglang/hybrid.py)
     context_keep    - the draft-context keep mask is shifted by one column: the anchor's context is not written,
                       the first rejected draft's is (worker; engine: the context is taken one column late)
     stale_cap       - requests whose draft context predates a live swap are not capped to the anchor (worker)
@@ -28,6 +30,8 @@ The sites (docs/testing.md has the table of which test catches which):
     rank_sync       - under TP, rank 0's drafts, verify lengths, accepted counts and bonus tokens are not broadcast:
                       each rank keeps its own decisions (sglang/ranks.py RankSync.share), and the worker's draft on
                       ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
+    rank_agree      - under TP, a live draft update is not agreed across ranks: each rank swaps or refuses on its own
+                      verdict (sglang/ranks.py RankSync.agree)
 
 Planted crashes, the same way: `DSPARK_SGL_CRASH=<site>[:<key>]` makes the process SIGKILL itself at that site (with
 a key, only where the site's key matches), leaving whatever a `kill -9` at the worst moment would leave. The fault
@@ -47,8 +51,8 @@ from typing import NoReturn
 
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
-    "verify_limit", "hybrid_commit", "context_keep", "stale_cap", "d2t_sampled", "markov_prev", "kv_rollback",
-    "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree",
+    "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
+    "kv_rollback", "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree",
 })
 
 

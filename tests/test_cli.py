@@ -49,7 +49,14 @@ def test_init_generate_eval_calibrate(tiny_dir, tmp_path):
                  "--json-out", report)
     assert res.exit_code == 0, res.output
     rep = json.loads(report.read_text())["datasets"][0]
-    assert rep["name"] == "prompts" and rep["prompts"] == 3 and 1.0 <= rep["tau"] <= 5.0
+    assert rep["name"] == "prompts" and rep["prompts"] == 3
+    # eval's per-request τ is what `generate` reports for each prompt alone (batch 1, fp32, T=0: deterministic)
+    alone = []
+    for q in ["a b c", "hello how are you", "one two"]:
+        res = invoke("generate", "--target", tiny_dir, "--draft", draft, "--chat", q, "--max-new-tokens", "10",
+                     "--json")
+        alone.append(json.loads(res.stdout.strip().splitlines()[-1])["tau"])
+    assert rep["tau_per_request"] == pytest.approx(sum(alone) / 3, abs=1e-9), (rep["tau_per_request"], alone)
 
     res = invoke("calibrate", "--target", tiny_dir, "--draft", draft, "--data", data, "--max-new-tokens", "10")
     assert res.exit_code == 0, res.output

@@ -23,7 +23,7 @@ from dspark_sgl.speculative.sampling import draft_probs, sample
 from dspark_sgl.targets import HFTarget
 from dspark_sgl.vocab import VocabError, choose_vocab, coverage, token_counts, vocab_from
 from tests.conftest import draft_config_for, require, tiny_draft_config, tiny_llama
-from tests.test_engine import PROMPTS, bigram_draft, pairs_from
+from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 
@@ -148,7 +148,11 @@ def test_reduced_draft_is_token_identical_at_t0():
             good.markov_head.markov_w2.weight[index[n], prev_ids.index(p)] = 30.0
     out = SpecEngine(target, good).generate(PROMPTS, 24)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    assert min(o.stats.tau for o in out) > 1.5
+    table = dict(pairs)  # outside the table: all-zero logits -> the first hot id
+    assert [o.stats.accepted[:-1] for o in out] == [
+        chain_accepts(table, r.token_ids, 5, hot[0])[: len(o.stats.accepted) - 1]
+        for o, r in zip(out, ref, strict=True)]
+    assert max(max(o.stats.accepted) for o in out) == 5
 
 
 @pytest.mark.parametrize("rule", ["rejection", "block"])

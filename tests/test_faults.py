@@ -26,7 +26,7 @@ from dspark_sgl.targets import HFTarget
 from dspark_sgl.targets.hf import TargetKV
 from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
-from tests.test_engine import PROMPTS, bigram_draft, pairs_from
+from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 pytestmark = pytest.mark.planted
@@ -124,22 +124,6 @@ def check_lossless_t0():
     return all(same), f"identical {sum(same)}/{len(same)}"
 
 
-def chain_accepts(table: dict[int, int], out: list[int], gamma: int) -> list[int]:
-    """The accepted counts a bigram oracle MUST get at T = 0: each step drafts the table's chain from the anchor
-    (0 after a token outside the table: all-zero logits) and accepts its leading matches with the output."""
-    accepted, i = [], 0
-    while i < len(out) - 1:
-        prev, c = out[i], 0
-        while c < gamma and i + 1 + c < len(out):
-            prev = table.get(prev, 0)
-            if prev != out[i + 1 + c]:
-                break
-            c += 1
-        accepted.append(c)
-        i += c + 1
-    return accepted
-
-
 def check_bigram_accepts(schedule_all: bool = False):
     """A bigram-oracle draft's per-step accepted counts equal the chain it must draft (all steps but the last,
     which max_new_tokens may cut). schedule_all: under a planner that schedules every draft (γ+1), which must act
@@ -203,7 +187,7 @@ ENGINE_CHECKS = {
     "seed": check_seed,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
-WORKER_ONLY = {"hybrid_commit", "stale_cap", "rank_sync", "rank_agree"}
+WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}
 
 
 def test_every_plant_has_a_check():

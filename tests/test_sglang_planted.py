@@ -16,8 +16,8 @@ tests, so a wrong context write or Markov order changes the accept counts. The c
     chi-square   - the joint of the first 3 sampled tokens (top-p 0.8; T = 1 through the d2t path) vs the exact
                    enumeration with the shared definition, p > 1e-4 as in test_sglang_sampling.py
     seed         - a seeded request repeats its output alone and in a crowd (given the same prefill token)
-    hybrid       - (hybrid_commit) the Kimi-Linear hybrid's greedy output equals plain SGLang's; the clean side of this
-                   one is tests/test_sglang_hybrid.py::test_static_full_window_commits_are_exact
+    hybrid       - (hybrid_commit, hybrid_state) the Kimi-Linear hybrid's greedy output equals plain SGLang's; the
+                   clean side of this one is tests/test_sglang_hybrid.py::test_static_full_window_commits_are_exact
 kv_rollback has no worker site (SGLang's allocator owns the target KV); tests/test_faults.py covers it.
 
 One clean server runs every probe; each planted server runs only the probe of its own check. Cost on the 2-core box:
@@ -198,8 +198,10 @@ def test_the_planted_server_fails(target, reference, plant):
     assert not ok, f"{plant} planted and {name} still passes: {detail}"
 
 
-def test_hybrid_commit_is_caught(smollm2_dir, tmp_path_factory):
-    """The hybrid target's recurrent-state commit of c + 2 tokens changes the greedy output vs plain SGLang."""
+def test_hybrid_state_plants_are_caught(smollm2_dir, tmp_path_factory):
+    """Two plants on the hybrid target's recurrent state, each caught by greedy output != plain SGLang's: the state
+    committed for c + 2 tokens (hybrid_commit), and the state zeroed after every commit (hybrid_state: shows that
+    the served output depends on the KDA state at all). One plain server serves both."""
     from dspark_testkit import build_bigram_draft
     from tiny_hybrid import HYBRID_SERVER_ARGS, HYBRID_SERVER_ENV, build_tiny_kimi_linear
     from transformers import AutoTokenizer
@@ -214,17 +216,21 @@ def test_hybrid_commit_is_caught(smollm2_dir, tmp_path_factory):
     ids = [tok(p)["input_ids"] for p in HP]
     with Server(tgt, list(HYBRID_SERVER_ARGS), dict(HYBRID_SERVER_ENV), port=next(PORTS)) as s:
         plain = [o["output_ids"] for o in s.generate(ids, HN)]
+    COST["hybrid plain"] = time.perf_counter() - t0
     draft = build_bigram_draft(tgt, [p + o for p, o in zip(ids, plain, strict=True)],
                                tmp_path_factory.mktemp("hdraft") / "bigram", block_size=HG, target_layer_ids=[0, 1, 2])
     args = [*HYBRID_SERVER_ARGS, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft),
             "--speculative-dspark-block-size", str(HG)]
-    env = {**HYBRID_SERVER_ENV, "SGLANG_RAGGED_VERIFY_MODE": "static", ENV: "hybrid_commit"}
-    with Server(tgt, args, env, port=next(PORTS)) as s:
-        outs = [o["output_ids"] for o in s.generate(ids, HN)]
-    COST["hybrid_commit (plain + planted)"] = time.perf_counter() - t0
-    same = sum(a == b for a, b in zip(outs, plain, strict=True))
-    print(f"planted hybrid_commit: identical to plain {same}/{len(plain)}")
-    assert same < len(plain)
+    same = {}
+    for plant_name in ("hybrid_commit", "hybrid_state"):
+        t0 = time.perf_counter()
+        env = {**HYBRID_SERVER_ENV, "SGLANG_RAGGED_VERIFY_MODE": "static", ENV: plant_name}
+        with Server(tgt, args, env, port=next(PORTS)) as s:
+            outs = [o["output_ids"] for o in s.generate(ids, HN)]
+        COST[plant_name] = time.perf_counter() - t0
+        same[plant_name] = sum(a == b for a, b in zip(outs, plain, strict=True))
+        print(f"planted {plant_name}: identical to plain {same[plant_name]}/{len(plain)}")
+    assert all(n < len(plain) for n in same.values()), same
 
 
 def test_zz_cost():

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from dspark_sgl.faults import planted
+
 
 def commit_step_indices(commit_lens: Tensor, seq_lens_pre: Tensor, track_interval: int | None
                         ) -> tuple[Tensor, Tensor | None]:
@@ -85,6 +87,10 @@ class HybridState:
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,
         )
+        if planted("hybrid_state"):  # TEST ONLY (dspark_sgl/faults.py): forget the state just committed
+            for t in state_tensors(self._pool.get_speculative_mamba2_params_all_layers(), scratch=False):
+                if t.is_floating_point():
+                    t[:, self._slots(batch)] = 0
 
     def _slots(self, batch) -> Tensor:
         slots = self._pool.get_mamba_indices(batch.req_pool_indices)
@@ -99,18 +105,25 @@ class HybridState:
                               accept)
 
 
+def state_tensors(state, scratch: bool) -> list[Tensor]:
+    """The non-empty tensors of a `MambaPool.SpeculativeState`: its verify scratch (`intermediate_*`, indexed by
+    batch row) when `scratch`, else its per-slot tensors (conv windows, SSM state, ReplaySSM ring)."""
+    out = []
+    for f in dataclasses.fields(state):
+        if f.name.startswith("intermediate") != scratch:
+            continue
+        value = getattr(state, f.name)
+        out += [t for t in (value if isinstance(value, list) else [value]) if t is not None and t.numel() > 0]
+    return out
+
+
 @contextmanager
 def preserve_state(state, slots: Tensor, rows: Tensor, accept_lens_pool: Tensor | None = None):
     """Snapshot and restore, around the body, every per-slot tensor of a `MambaPool.SpeculativeState` (conv windows,
     SSM state, ReplaySSM ring; [layers, slots, ...]) at `slots`, its verify scratch (`intermediate_*`; [layers,
     rows, steps, ...]) at `rows`, and the fused-accept lengths at `slots`."""
-    saved = []
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        index = rows if f.name.startswith("intermediate") else slots
-        for t in value if isinstance(value, list) else [value]:
-            if t is not None and t.numel() > 0:
-                saved.append((t, index, t[:, index].clone()))
+    saved = [(t, slots, t[:, slots].clone()) for t in state_tensors(state, scratch=False)]
+    saved += [(t, rows, t[:, rows].clone()) for t in state_tensors(state, scratch=True)]
     if accept_lens_pool is not None:
         saved.append((accept_lens_pool, slots, accept_lens_pool[slots].clone()))
     try:
