@@ -45,7 +45,12 @@ def _pad_q(q: Tensor) -> Tensor:
 
 def _residual(p: Tensor, q: Tensor) -> Tensor:
     """norm(max(p − q, 0)), falling back to norm(p) where the residual has no mass (a zero-probability event)."""
-    r = (p - q).clamp(min=0)
+    return _normalised_residual((p - q).clamp(min=0), p)
+
+
+def _normalised_residual(r: Tensor, p: Tensor) -> Tensor:
+    """r / Σr, or p / Σp where r has no mass; shared with the fused kernel's path (dspark_sgl.kernels.accept), which
+    computes r and leaves this step to torch so that its bonus draw is bit-identical to the reference's."""
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p / p.sum(-1, keepdim=True).clamp(min=1e-30))
 
