@@ -115,8 +115,8 @@ x = full[:, :6].argmax(-1)
 assert greedy_accept_triton(x, full, block_v=64).num_accepted.tolist() == [6, 6]  # fully accepted
 
 # ties spanning blocks: the maximum at ids 10, 300 and 599 (blocks 0, 1, 2 of 256) -> 10, as torch.argmax
-tie = torch.zeros(2, 2, 600)
-tie[:, :, [10, 300, 599]] = 5.0
+tie = torch.full((2, 2, 600), -9.0)
+tie[:, :, [10, 300, 599]] = -2.0  # all logits negative: the running maximum starts at -inf, not 0
 x_tie = torch.tensor([[10], [300]])  # row 0 drafts the lowest tied id (accepted), row 1 a higher one (rejected)
 ref = greedy_accept(x_tie, tie)
 assert ref.num_accepted.tolist() == [1, 0] and ref.bonus.tolist() == [10, 10]
@@ -198,6 +198,23 @@ q = torch.zeros(4, gamma, V).index_copy_(-1, vocab, qk)
 ids = torch.multinomial(qk.reshape(-1, K), 1, generator=g).view(4, gamma)
 for lim in limits(4, gamma):
     check_rejection(ids, q, p, lim, d2t=d2t, x_target=vocab[ids], blocks=(128,))
+
+# the strict accept test: u·q(x) = p(x) exactly (u = 1/2, q(x) = 2 p(x)) rejects, as the reference's `<`
+
+
+class HalfNoise(Noise):
+    def uniform(self, B, n, stream, device):
+        half = torch.full((B, n), 0.5, dtype=torch.float64)
+        return half if stream == ACCEPT else super().uniform(B, n, stream, device)
+
+
+x, q, p = dists(3, 4, 200, 0.5)
+q = p[:, :4].clone()
+for b in (1, 2):  # rows 1, 2: a tie at draft 3
+    q[b, 2, x[b, 2]] = 2 * p[b, 2, x[b, 2]]
+ref = rejection_accept(x, q, p, None, HalfNoise(torch.Generator().manual_seed(0)))
+assert ref.num_accepted.tolist() == [4, 2, 2]
+assert same(rejection_accept_triton(x, q, p, None, HalfNoise(torch.Generator().manual_seed(0)), block_v=64), ref)
 
 # the kernel's residual is the reference's max(p_c - q_c, 0), bit for bit (so torch's normalising sum matches)
 x, q, p = dists(4, 7, 3000, 0.7)
