@@ -22,8 +22,9 @@ from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.sampling import draft_probs, sample
 from dspark_sgl.targets import HFTarget
 from dspark_sgl.vocab import VocabError, choose_vocab, coverage, token_counts, vocab_from
-from tests.conftest import draft_config_for, require, tiny_draft_config, tiny_llama
+from tests.conftest import draft_config_for, tiny_draft_config, tiny_llama
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
+from tests.test_kernels import run_interpreted
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 
@@ -328,14 +329,7 @@ print("ok")
 
 
 def test_triton_markov_step_on_k_rows_in_interpreter():
-    require("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    run_interpreted(KERNEL_CHECK)
 
 
 # ---- the recipe key --------------------------------------------------------------------------------------------

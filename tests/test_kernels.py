@@ -36,11 +36,17 @@ print("ok")
 """
 
 
-def test_triton_kernel_matches_reference_in_interpreter():
+def run_interpreted(script: str, timeout: int = 300) -> None:
+    """Run a kernel check script under Triton's CPU interpreter (TRITON_INTERPRET=1, read at import: a fresh
+    process); it must print "ok" last."""
     require("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_triton_kernel_matches_reference_in_interpreter():
+    run_interpreted(KERNEL_CHECK)
 
 
 def test_accept_dispatch_on_cpu_is_the_reference():
@@ -237,7 +243,4 @@ print("ok")
 
 
 def test_accept_kernels_match_reference_in_interpreter():
-    require("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", ACCEPT_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_interpreted(ACCEPT_CHECK, timeout=600)
