@@ -115,8 +115,9 @@ def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain)
         # may overshoot max_new_tokens or pass an EOS, after which SGLang drops the rest)
         committed, emitted = sum(c * n for c, n in enumerate(hist)) + steps, len(o["output_ids"]) - 1
         assert emitted <= committed <= emitted + GAMMA
-    # The confidence schedule trims what it verifies where the CPU's verify cost per token is steep, so the accept
-    # length of the good draft is asserted > 1.5 under the static policy (test_block_verification_...).
+    # The confidence schedule trims what it verifies where the CPU's verify cost per token is steep (a measured SPS
+    # table: load-dependent), so only a floor here; under the static policy the accept counts must equal the
+    # reference engine's (test_block_verification_...).
     mean_accept = sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs)
     assert mean_accept > 1.2, f"the good draft should be accepted: mean accept length {mean_accept:.2f}"
     state = dspark.get("/server_info")["internal_states"][0]

@@ -88,9 +88,10 @@ class HybridState:
             req_pool_indices=batch.req_pool_indices,
         )
         if planted("hybrid_state"):  # TEST ONLY (dspark_sgl/faults.py): forget the state just committed
+            slots = self._slots(batch)
             for t in state_tensors(self._pool.get_speculative_mamba2_params_all_layers(), scratch=False):
                 if t.is_floating_point():
-                    t[:, self._slots(batch)] = 0
+                    t[:, slots] = 0
 
     def _slots(self, batch) -> Tensor:
         slots = self._pool.get_mamba_indices(batch.req_pool_indices)
