@@ -84,7 +84,7 @@ test-planted-worker:
 
 # TP=2 servers (tests/test_sglang_tp.py: plain TP2 = TP1, DSPARK TP2 lossless with GQA and MLA drafts and on the
 # hybrid target, the confidence schedule's shared SPS table, the sampled distribution, planted rank divergence
-# caught). Not in CI: its servers do not fit CI's 75-minute budget on 2 cores (docs/serving.md, "Tensor parallelism").
+# caught). A CI stage of its own (.ci/run): 716 s for its servers on the 2-core EPYC (docs/serving.md).
 test-tp: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \

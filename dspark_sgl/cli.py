@@ -185,6 +185,7 @@ def generate(
         _fail(str(e))
     if draft is None and not no_draft:
         console.print("[yellow]no --draft given: using a random-init draft (τ≈1); pass --no-draft for the baseline")
+    console.print(f"generating up to {max_new_tokens} tokens ({len(ids)}-token prompt)")  # stderr: --json stays pure
     t0 = time.perf_counter()
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance, seed=seed)
     (g,) = engine.generate([ids], max_new_tokens, sampling, eos_ids(tok, engine.target))

@@ -75,6 +75,7 @@ def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, pl
         out = _outputs(s, prompt_ids)
     assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
     assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
+    print(f"dspark serve, confidence schedule: accept lengths {out['accept']}")
     assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]  # the draft really proposed tokens
 
     # The SPS table measured on the way is kept for this engine; a restart loads it and profiles nothing it has.

@@ -41,8 +41,7 @@ from dspark_sgl.faults import ENV  # noqa: E402
 from dspark_sgl.sglang.planning import SPS_CACHE_ENV  # noqa: E402
 from tests.test_sglang_sampling import PROMPTS  # noqa: E402
 
-# The `tp` marker keeps these out of CI's stages (two processes per server; CI's 75-minute budget has no room for
-# them on 2 cores): `make test-tp` runs them.
+# The `tp` marker keeps these out of the other stages (two processes per server): `make test-tp`, CI's own stage.
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.tp, pytest.mark.timeout(2400)]  # 4 servers
 V, GAMMA, MAX_NEW = 8, 3, 24
 TP2 = ["--tp-size", "2"]
@@ -90,7 +89,9 @@ def test_planted_rank_divergence_is_caught(setup):
     the same all-reduces, so rank 0's logits (and its tokens or histograms) change, or the ranks' batches drift
     apart until a collective fails."""
     try:
-        with Server(setup["target"], dspark(setup), env={**STATIC, ENV: "rank_sync"}) as s:
+        # a hang is cut by SGLang's watchdog after 60 s, not its default 300 (CI's stage pays for it)
+        args = [*dspark(setup), "--watchdog-timeout", "60"]
+        with Server(setup["target"], args, env={**STATIC, ENV: "rank_sync"}) as s:
             try:
                 out = s.generate(PROMPTS, MAX_NEW, ignore_eos=True)
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,14 @@ def expected(ids: list[int]) -> torch.Tensor:
 
 def _engine(bind: str, delay: float, fail: bool) -> None:
     serve(lambda i, a: fake_capture(i, a, delay, fail), bind, max_batch=4, wire_dtype="float32")
+
+
+def wait_bound(*paths: Path, timeout_s: float = 60.0) -> None:
+    """Until every engine has bound its ipc:// endpoint (zmq creates the socket file at bind)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"engines never bound: {[p for p in paths if not p.exists()]}"
+        time.sleep(0.01)
 
 
 def start_engine(bind: str, delay: float = 0.0, fail: bool = False) -> mp.Process:
@@ -108,7 +117,7 @@ def test_engine_killed_mid_stream_nothing_lost_nothing_twice(endpoint):
 def test_slow_engine_resends_are_deduplicated(tmp_path):
     slow, fast = f"ipc://{tmp_path}/slow.sock", f"ipc://{tmp_path}/fast.sock"
     engines = [start_engine(slow, delay=1.5), start_engine(fast)]
-    time.sleep(1.0)
+    wait_bound(tmp_path / "slow.sock", tmp_path / "fast.sock")  # both up before the first request: no sleep
     client = StreamClient([slow, fast], (K_H + H) * 4, credits=8, byte_budget=1 << 20, timeout_s=0.3, give_up_s=60)
     reqs = requests(16)
     try:
