@@ -51,8 +51,8 @@ def test_triton_kernel_matches_reference_in_interpreter():
 
 def test_accept_dispatch_on_cpu_is_the_reference():
     """On CPU the dispatchers run dspark_sgl.speculative.accept itself (draft ids mapped through d2t first)."""
-    from dspark_sgl.kernels.accept import greedy_accept_dispatch, rejection_accept_dispatch
-    from dspark_sgl.speculative.accept import greedy_accept, rejection_accept
+    from dspark_sgl.kernels.accept import block_accept_dispatch, greedy_accept_dispatch, rejection_accept_dispatch
+    from dspark_sgl.speculative.accept import block_accept, greedy_accept, rejection_accept
 
     g = torch.Generator().manual_seed(0)
     B, gamma, V = 3, 4, 60
@@ -67,23 +67,62 @@ def test_accept_dispatch_on_cpu_is_the_reference():
     assert a.num_accepted.tolist() == [gamma, 1, gamma]
     p, q = torch.softmax(logits, -1), torch.softmax(logits[:, :gamma] * 0.5, -1)
     x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, gamma)
-    a = rejection_accept_dispatch(x, q, p, None, torch.Generator().manual_seed(1))
-    r = rejection_accept(x, q, p, None, torch.Generator().manual_seed(1))
+    for dispatch, reference in ((rejection_accept_dispatch, rejection_accept), (block_accept_dispatch, block_accept)):
+        for lim in (None, torch.tensor([4, 2, 0])):
+            a = dispatch(x, q, p, lim, torch.Generator().manual_seed(1))
+            r = reference(x, q, p, lim, torch.Generator().manual_seed(1))
+            assert torch.equal(a.num_accepted, r.num_accepted) and torch.equal(a.bonus, r.bonus)
+    qk = torch.zeros_like(q)
+    qk[..., vocab] = torch.softmax(logits[:, :gamma, vocab] * 0.5, -1)  # a reduced-vocabulary draft
+    ids = torch.multinomial(qk[..., vocab].reshape(-1, vocab.numel()), 1, generator=g).view(B, gamma)
+    a = block_accept_dispatch(ids, qk, p, None, torch.Generator().manual_seed(2), d2t=d2t)
+    r = block_accept(vocab[ids], qk, p, None, torch.Generator().manual_seed(2))
     assert torch.equal(a.num_accepted, r.num_accepted) and torch.equal(a.bonus, r.bonus)
 
 
-ACCEPT_CHECK = r"""
+ACCEPT_PRELUDE = r"""
 import torch
-from dspark_sgl.kernels.accept import greedy_accept_triton, rejection_accept_triton, rejection_prefix_triton
-from dspark_sgl.speculative.accept import greedy_accept, rejection_accept
 from dspark_sgl.speculative.sampling import ACCEPT, Noise
 
 g = torch.Generator().manual_seed(0)
-BLOCKS = (64, 256, 1024, 4096)
 
 
 def same(a, r):
     return torch.equal(a.num_accepted, r.num_accepted) and torch.equal(a.bonus, r.bonus)
+
+
+def limits(B, gamma):
+    yield None
+    yield torch.randint(0, gamma + 1, (B,), generator=g)  # limit < γ on some rows
+    yield torch.zeros(B, dtype=torch.long)  # limit = 0: only the anchor's argmax
+    yield torch.full((B,), gamma + 2)  # above γ: the reference caps at γ
+
+
+def dists(B, gamma, V, spread):
+    # q near p (spread small: most drafts accepted) or far (most rejected); x ~ q
+    p = torch.softmax(torch.randn(B, gamma + 1, V, generator=g) * 3, -1)
+    q = torch.softmax(torch.log(p[:, :gamma]) + spread * torch.randn(B, gamma, V, generator=g), -1)
+    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, gamma) if gamma else torch.zeros(B, 0).long()
+    return x, q, p
+
+
+def noises(seed, B):
+    yield torch.Generator().manual_seed(seed)
+    seeded = torch.arange(B) % 2 == 0  # seeded rows hash (seed, position), the rest read the generator
+    yield Noise(torch.Generator().manual_seed(seed), torch.arange(B) + 100 * seed, seeded, torch.arange(B) * 7)
+
+
+class HalfNoise(Noise):  # every accept uniform 1/2, for ties built on purpose
+    def uniform(self, B, n, stream, device):
+        half = torch.full((B, n), 0.5, dtype=torch.float64)
+        return half if stream == ACCEPT else super().uniform(B, n, stream, device)
+"""
+
+ACCEPT_CHECK = ACCEPT_PRELUDE + r"""
+from dspark_sgl.kernels.accept import greedy_accept_triton, rejection_accept_triton, rejection_prefix_triton
+from dspark_sgl.speculative.accept import greedy_accept, rejection_accept
+
+BLOCKS = (64, 256, 1024, 4096)
 
 
 def greedy_case(B, gamma, V, dtype=torch.float32, extra_rows=0):
@@ -95,13 +134,6 @@ def greedy_case(B, gamma, V, dtype=torch.float32, extra_rows=0):
         if j < gamma:
             x[b, j] = (x[b, j] + 1 + b) % V
     return x, logits
-
-
-def limits(B, gamma):
-    yield None
-    yield torch.randint(0, gamma + 1, (B,), generator=g)  # limit < γ on some rows
-    yield torch.zeros(B, dtype=torch.long)  # limit = 0: only the anchor's argmax
-    yield torch.full((B,), gamma + 2)  # above γ: the reference caps at γ
 
 
 # greedy: equality with greedy_accept, every block size, every limit kind
@@ -156,20 +188,6 @@ bad.num_accepted = (bad.num_accepted + 1).clamp(max=7)  # one more accepted
 assert not same(bad, greedy_accept(x, logits))
 
 
-def dists(B, gamma, V, spread):
-    # q near p (spread small: most drafts accepted) or far (most rejected); x ~ q
-    p = torch.softmax(torch.randn(B, gamma + 1, V, generator=g) * 3, -1)
-    q = torch.softmax(torch.log(p[:, :gamma]) + spread * torch.randn(B, gamma, V, generator=g), -1)
-    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, gamma) if gamma else torch.zeros(B, 0).long()
-    return x, q, p
-
-
-def noises(seed, B):
-    yield torch.Generator().manual_seed(seed)
-    seeded = torch.arange(B) % 2 == 0  # seeded rows hash (seed, position), the rest read the generator
-    yield Noise(torch.Generator().manual_seed(seed), torch.arange(B) + 100 * seed, seeded, torch.arange(B) * 7)
-
-
 def check_rejection(x, q, p, lim, d2t=None, x_target=None, blocks=(256,), seeds=range(4)):
     counts = set()
     for s in seeds:
@@ -206,14 +224,6 @@ for lim in limits(4, gamma):
     check_rejection(ids, q, p, lim, d2t=d2t, x_target=vocab[ids], blocks=(128,))
 
 # the strict accept test: u·q(x) = p(x) exactly (u = 1/2, q(x) = 2 p(x)) rejects, as the reference's `<`
-
-
-class HalfNoise(Noise):
-    def uniform(self, B, n, stream, device):
-        half = torch.full((B, n), 0.5, dtype=torch.float64)
-        return half if stream == ACCEPT else super().uniform(B, n, stream, device)
-
-
 x, q, p = dists(3, 4, 200, 0.5)
 q = p[:, :4].clone()
 for b in (1, 2):  # rows 1, 2: a tie at draft 3
@@ -244,3 +254,87 @@ print("ok")
 
 def test_accept_kernels_match_reference_in_interpreter():
     run_interpreted(ACCEPT_CHECK, timeout=600)
+
+
+BLOCK_CHECK = ACCEPT_PRELUDE + r"""
+from dspark_sgl.kernels.accept import block_accept_triton, block_prefix_triton
+from dspark_sgl.speculative.accept import block_accept, greedy_accept
+
+
+def check_block(x, q, p, lim, d2t=None, x_target=None, blocks=(64,), seeds=range(3)):
+    # c and the bonus equal block_accept's on the same noise (generator and seeded rows)
+    counts = set()
+    for s in seeds:
+        for bv in blocks:
+            for n_out, n_ref in zip(noises(s, x.shape[0]), noises(s, x.shape[0])):
+                ref = block_accept(x if x_target is None else x_target, q, p, lim, n_ref)
+                out = block_accept_triton(x, q, p, lim, n_out, d2t=d2t, block_v=bv)
+                assert same(out, ref), (s, bv, lim, out, ref)
+                counts.update(ref.num_accepted.tolist())
+    return counts
+
+
+# V = 300 over blocks of 64 (a ragged last one), 256 and 512 (one masked block); γ = 1 and γ = 0 too
+for B, gamma, V, spread, blocks in [(4, 5, 300, 0.7, (64, 256, 512)), (3, 3, 100, 2.0, (64,)),
+                                    (4, 1, 64, 1.0, (64,)), (2, 0, 64, 1.0, (64,))]:
+    x, q, p = dists(B, gamma, V, spread)
+    counts = set()
+    for lim in [*limits(B, gamma), torch.full((B,), gamma)]:
+        counts |= check_block(x, q, p, lim, blocks=blocks)
+    assert len(counts) >= min(3, gamma + 1), counts
+
+# h_i from R_i really decides: some rows stop at 0 < c < L with 0 < ρ_c < 1 (an h_i other than ρ_i or 0/1)
+x, q, p = dists(8, 5, 300, 0.7)
+u = Noise(torch.Generator().manual_seed(0)).uniform(8, 5, ACCEPT, "cpu")
+c, rho_c, resid = block_prefix_triton(x, q, p, u, block_v=64)
+assert ((c > 0) & (c < 5) & (rho_c > 0) & (rho_c < 1)).any(), (c, rho_c)
+assert torch.equal(c, block_accept(x, q, p, None, Noise(torch.Generator().manual_seed(0))).num_accepted)
+
+# q = 0 at a drafted token: ρ is 0 from there on, so h is 0 and nothing at or after it is accepted
+q0 = q.clone()
+q0[0, 1, x[0, 1]] = 0.0
+q0[2, 0, x[2, 0]] = 0.0
+for s in range(3):
+    ref = block_accept(x, q0, p, None, torch.Generator().manual_seed(s))
+    assert ref.num_accepted[0] <= 1 and ref.num_accepted[2] == 0, ref.num_accepted
+check_block(x, q0, p, None)
+check_block(x, q0, p, torch.tensor([5, 1, 0, 3, 5, 2, 4, 5]))
+
+# one-hot p (a greedy target) against a soft q; and one-hot p and q, where block is the greedy rule
+onehot = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).float()
+for lim in limits(8, 5):
+    check_block(x, q, onehot, lim)
+xg = onehot[:, :5].argmax(-1)
+xg[1, 2], xg[3, 0] = (xg[1, 2] + 1) % 300, (xg[3, 0] + 1) % 300  # two mismatches
+qg = torch.nn.functional.one_hot(xg, 300).float()
+for lim in limits(8, 5):
+    ref = block_accept(xg, qg, onehot, lim, torch.Generator().manual_seed(0))
+    assert same(ref, greedy_accept(xg, onehot, lim))
+    check_block(xg, qg, onehot, lim)
+
+# reduced vocabulary: q zero outside K draft tokens, drafts in draft ids through d2t
+V, K, gamma = 300, 40, 4
+vocab = torch.randperm(V, generator=g)[:K].sort().values
+d2t = vocab - torch.arange(K)
+p = torch.softmax(torch.randn(4, gamma + 1, V, generator=g) * 2, -1)
+qk = torch.softmax(torch.log(p[:, :gamma, vocab]) + 0.5 * torch.randn(4, gamma, K, generator=g), -1)
+q = torch.zeros(4, gamma, V).index_copy_(-1, vocab, qk)
+ids = torch.multinomial(qk.reshape(-1, K), 1, generator=g).view(4, gamma)
+for lim in [*limits(4, gamma), torch.full((4,), gamma)]:
+    check_block(ids, q, p, lim, d2t=d2t, x_target=vocab[ids])
+
+# strict η < h: q = p but for q(x_1) = 2 p(x_1), so ρ_i = 1/2 exactly for every i; then R_i = 0 (h_i = 0) for
+# i < L and h_L = ρ_L = 1/2 = η: nothing is accepted (a `<=` would accept L)
+x, q, p = dists(3, 3, 100, 0.5)
+q = p[:, :3].clone()
+q[torch.arange(3), 0, x[:, 0]] = 2 * p[torch.arange(3), 0, x[:, 0]]
+lim = torch.tensor([3, 2, 1])
+ref = block_accept(x, q, p, lim, HalfNoise(torch.Generator().manual_seed(0)))
+assert ref.num_accepted.tolist() == [0, 0, 0]
+assert same(block_accept_triton(x, q, p, lim, HalfNoise(torch.Generator().manual_seed(0)), block_v=64), ref)
+print("ok")
+"""
+
+
+def test_block_kernel_matches_reference_in_interpreter():
+    run_interpreted(BLOCK_CHECK, timeout=600)

@@ -29,7 +29,9 @@ class Acceptance:
 
 
 def _limit(limit: Tensor | None, B: int, gamma: int, device) -> Tensor:
-    return torch.full((B,), gamma, device=device, dtype=torch.long) if limit is None else limit.long()
+    """[B] in 0..γ: a limit above γ is γ, so block's h_L = ρ_L and the full-accept bonus hold there too (the
+    kernels in dspark_sgl.kernels.accept cap it the same way)."""
+    return torch.full((B,), gamma, device=device, dtype=torch.long) if limit is None else limit.long().clamp(0, gamma)
 
 
 def _prefix_len(ok: Tensor, limit: Tensor) -> Tensor:
