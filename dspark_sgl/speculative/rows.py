@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from dspark_sgl.faults import planted
+from dspark_sgl.kernels.accept import block_accept_dispatch, greedy_accept_dispatch, rejection_accept_dispatch
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.speculative.accept import ACCEPT_RULES, Acceptance, greedy_accept
+from dspark_sgl.speculative.accept import Acceptance
 from dspark_sgl.speculative.markov import Proposal, rollout
 from dspark_sgl.speculative.sampling import BONUS, Noise, sample_u
 from dspark_sgl.speculative.target_dist import (
@@ -26,6 +27,10 @@ from dspark_sgl.speculative.target_dist import (
     target_dist,
 )
 from dspark_sgl.speculative.timing import StepTimer
+
+# The acceptance rules as dispatched: the fused Triton kernels on CUDA (dspark_sgl.kernels.accept), the torch
+# definitions (dspark_sgl.speculative.accept) everywhere else, so the CPU path runs exactly the definitions.
+SAMPLED_RULES = {"rejection": rejection_accept_dispatch, "block": block_accept_dispatch}
 
 
 def step_noise(s: BatchSampling, generator: torch.Generator | None, positions: Tensor | None) -> Noise:
@@ -57,7 +62,7 @@ def accept_rows(prop: Proposal, logits: Tensor, s: BatchSampling, limit: Tensor 
     W = logits.shape[1]
     x = prop.tokens[:, : W - 1]
     if s.all_greedy:
-        return greedy_accept(x, logits, limit)
+        return greedy_accept_dispatch(x, logits, limit)
     p = probs_from_logits(logits, s)
     q = draft_dist(prop.logits[:, : W - 1], x, s, prop.vocab, logits.shape[-1])  # zero outside a K-token vocab
-    return ACCEPT_RULES[rule](x, q, p, limit, noise)
+    return SAMPLED_RULES[rule](x, q, p, limit, noise)
