@@ -76,7 +76,9 @@ def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, pl
     assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
     assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
     print(f"dspark serve, confidence schedule: accept lengths {out['accept']}")
-    assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]  # the draft really proposed tokens
+    # the draft really proposed tokens: expected mean ≈ 2.5 (3.08, 3.08, 2.35, 1.67 in the CI rehearsal of 2026-12-04,
+    # 2-core Xeon); a floor because the confidence schedule trims by this box's measured SPS table
+    assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]
 
     # The SPS table measured on the way is kept for this engine; a restart loads it and profiles nothing it has.
     (file,) = cache.glob("*.json")
