@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark_sgl.provenance import provenance  # noqa: E402
 from dspark_sgl.sglang.transport import PairReceiver, ShmRing, Writer, parse_rid, wait_sent, writer  # noqa: E402
 
 SHAPES = {  # name: (K aux layers, H, dtype)
@@ -213,7 +214,8 @@ def main() -> None:
             over = e["overhead_ms_per_token"].get(k)
             print(f"| {k} | {v:.3f} | {v / n * 1e3:.3f} | {'' if over is None else f'{over:+.3f}'} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    result = {"provenance": provenance(**vars(args)), **result}
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {args.out}")
 
 

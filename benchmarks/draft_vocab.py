@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dspark_sgl.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -105,7 +107,8 @@ def main() -> None:
         for c in out["coverage"]:
             print(f"K {c['K']:6d}: coverage train {100 * c['train']:.2f} %, held-out {100 * c['heldout']:.2f} %")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(out, indent=2))
+    out = {"provenance": provenance(**vars(args)), **out}
+    Path(args.json_out).write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {args.json_out}")
 
 

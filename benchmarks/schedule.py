@@ -24,6 +24,7 @@ from rich.table import Table
 
 from dspark_sgl.evaluate import confidence_pairs, evaluate_dataset
 from dspark_sgl.loading import eos_ids, load_pair
+from dspark_sgl.provenance import provenance
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine, profile_target_sps
 from dspark_sgl.speculative.scheduler import schedule
 from dspark_sgl.speculative.sps import SpsTable
@@ -84,7 +85,9 @@ def main(
                   f"{s['tau']:.2f}", f"{c['tau']:.2f}")
     Console(width=160).print(t)
     json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps({"draft": draft, "target": target, "sps": table.to_dict(), "rows": rows}, indent=2))
+    record = {"provenance": provenance(draft=str(draft), target=str(target)), "draft": draft, "target": target,
+              "sps": table.to_dict(), "rows": rows}
+    json_out.write_text(json.dumps(record, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dspark_sgl.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -174,7 +176,8 @@ def main() -> None:
                       "over base)", flush=True)
     meta = {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "seq", "batch", "chunk_rows", "threads")}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    record = {"provenance": provenance(**vars(args)), "meta": meta, "rows": rows}
+    Path(args.json_out).write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {args.json_out}")
 
 

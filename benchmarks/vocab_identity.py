@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dspark_sgl.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -64,7 +66,8 @@ def main() -> None:
     if args.outputs:
         Path(args.outputs).write_text("".join(json.dumps({"token_ids": g.token_ids}) + "\n" for g in plain))
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(res, indent=2))
+    res = {"provenance": provenance(**vars(args)), **res}
+    Path(args.json_out).write_text(json.dumps(res, indent=2, default=str))
 
 
 if __name__ == "__main__":

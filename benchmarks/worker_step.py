@@ -39,6 +39,7 @@ from rich.table import Table
 
 from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt
+from dspark_sgl.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "sglang_cpu"))
@@ -214,7 +215,7 @@ def main(
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "unknown")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = git_commit()  # '+dirty' when the tree has uncommitted changes
     result = {"cpu": cpu, "cores": len([ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
                                         if ln.startswith("processor")]),
               "commit": commit, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
