@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
