@@ -55,7 +55,7 @@ from training.target import (
     target_config,
     target_dtype,
 )
-from training.warmstart import warm_start
+from training.warmstart import init_own_embedding, warm_start
 
 
 class ObjectiveModule(nn.Module):
@@ -279,6 +279,8 @@ class Trainer:
         else:
             embed, head = load_target_heads(self.target_dir, target_dtype(self.recipe, self.d.device), self.d.device)
         draft = draft.to(self.d.device).bind_target(embed, head)
+        if draft.embed_tokens is not None and not self.recipe.init.draft:
+            self.log(init_own_embedding(draft, embed))
         module = ObjectiveModule(draft, self.recipe.objective, scale_aux=self.recipe.optim.scale_aux)
         return shard(module, compute_dtype(self.recipe, self.d.device), self.recipe.train.reshard_after_forward)
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from dspark_sgl.model.checkpoint import find_tensors
 from dspark_sgl.model.draft import DSparkDraft
@@ -102,3 +103,19 @@ def warm_start(draft: DSparkDraft, cfg: InitConfig, target_dir: Path) -> str:
         init_from_draft(draft, cfg.draft)
         return f"draft initialised from {cfg.draft}"
     return "draft initialised at random"
+
+
+@torch.no_grad()
+def init_own_embedding(draft: DSparkDraft, target_embed: nn.Module) -> str:
+    """A draft with its own embed_tokens (the K3 layout) starts from the target's table, not at std 0.02.
+
+    At 0.02 (6.7x below SmolLM2's 0.133) the tiny MLA recipe's loss swung +-30% per step and did not learn: the
+    token embedding fed to the draft layers was far smaller than the context injected beside it. A table of another
+    shape is drawn at the target table's standard deviation instead."""
+    own, w = draft.embed_tokens.weight, target_embed.weight
+    if own.shape == w.shape:
+        own.copy_(w.to(own.dtype))
+        return "own embed_tokens copied from the target's"
+    nn.init.normal_(own, std=float(w.float().std()))
+    return f"own embed_tokens drawn at the target table's std {float(w.float().std()):.3f}"
+
