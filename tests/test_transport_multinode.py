@@ -179,11 +179,11 @@ def test_two_nodes_on_loopback_survive_engine_and_trainer_kills_exactly(smollm2_
         wait_for(logs[0], rf"step 2/{STEPS}", nodes + engine)
         kill(engine[0])  # requests in flight die with it; its pairs break
         print("killed the engine after step 2", flush=True)
-        time.sleep(2.0)
+        time.sleep(2.0)  # an outage of 2 s, not synchronisation: nothing below depends on its length
         engine[0] = start_engine(rec, eport, elog)
         wait_for(logs[0], rf"step 4/{STEPS}", nodes)
         kill_worker(nodes[1])  # trainer rank 1 (node 1) dies mid-run (in step 5)
-        time.sleep(5.0)
+        time.sleep(5.0)  # rank 0 left waiting on the dead rank for a while (its length is not asserted on)
         for p in nodes:  # and the job with it, as a cluster scheduler would end it (torchrun would wait 300 s)
             kill(p)
         print("killed trainer node 1 during step 5", flush=True)
