@@ -39,6 +39,7 @@ from rich.table import Table
 from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.loading import encode_prompt
 from dspark_sgl.provenance import git_commit
+from dspark_sgl.sglang.cpu.builtin import ENV as BUILTIN_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "sglang_cpu"))
@@ -209,7 +210,8 @@ def main(
                 ["greedy", "sampled"], mode_env, schedule=schedule, vocab=vocab)
     if builtin:
         run("builtin", "builtin", [*spec, "--speculative-draft-model-path", str(full)], ["greedy"],
-            {"SGLANG_PLUGINS": "dspark_cpu,dspark_worker_step", "SGLANG_RAGGED_VERIFY_MODE": "static"},
+            {"SGLANG_PLUGINS": "dspark_cpu,dspark_worker_step", BUILTIN_ENV: "1",
+             "SGLANG_RAGGED_VERIFY_MODE": "static"},
             schedule="static", vocab="full")
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

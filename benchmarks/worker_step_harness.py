@@ -4,8 +4,8 @@ the flag file `<log>.count` exists. Never part of the product: worker_step.py pu
 this entry point on the server's PYTHONPATH.
 
 Environment: DSPARK_WORKER_STEP_LOG (the JSONL path), DSPARK_WORKER_STEP_WORKER (`ours`, `builtin` or `plain`).
-`builtin` also applies the two patches SGLang's own DSPARK worker needs to run greedy requests on a CPU: the device
-check of `_handle_dspark` lifted, and `Tensor.record_stream` a no-op for CPU tensors (it has no CPU kernel).
+For `builtin`, SGLang's own DSPARK worker runs on a CPU through the one harness-only patch set the project keeps,
+dspark_sgl/sglang/cpu/builtin.py (switched on by worker_step.py's server environment), as in sglang_speed.py.
 """
 
 from __future__ import annotations
@@ -134,32 +134,6 @@ def _wrap_plain(log: StepLog) -> None:
     TpModelWorker.forward_batch_generation = forward
 
 
-def _patch_builtin_for_cpu() -> None:
-    """The smallest changes that let SGLang's DSparkWorkerV2 serve greedy requests on a CPU (harness only)."""
-    import torch
-    from sglang.srt.arg_groups import speculative_hook
-
-    record_stream = torch.Tensor.record_stream
-
-    def record_stream_cpu_noop(t, stream):
-        if t.device.type == "cpu":
-            return None
-        return record_stream(t, stream)
-
-    torch.Tensor.record_stream = record_stream_cpu_noop
-    orig = speculative_hook._handle_dspark
-
-    def handle_dspark_on_cpu(server_args):
-        device = server_args.device
-        server_args.device = "cuda"  # the only thing the check reads; restored before anything else uses it
-        try:
-            return orig(server_args)
-        finally:
-            server_args.device = device
-
-    speculative_hook._handle_dspark = handle_dspark_on_cpu
-
-
 def load() -> None:
     path, worker = os.environ.get("DSPARK_WORKER_STEP_LOG"), os.environ.get("DSPARK_WORKER_STEP_WORKER", "ours")
     if not path:
@@ -172,7 +146,6 @@ def load() -> None:
 
         _wrap_decode(DSparkWorker, log)
     elif worker == "builtin":
-        _patch_builtin_for_cpu()
         from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 
         _wrap_decode(DSparkWorkerV2, log)
