@@ -116,6 +116,19 @@ class HalfNoise(Noise):  # every accept uniform 1/2, for ties built on purpose
     def uniform(self, B, n, stream, device):
         half = torch.full((B, n), 0.5, dtype=torch.float64)
         return half if stream == ACCEPT else super().uniform(B, n, stream, device)
+
+
+def check_rule(kernel, reference, x, q, p, lim, d2t, x_target, blocks, seeds):
+    # the kernel's c and bonus equal the reference's on the same noise (generator and seeded rows)
+    counts = set()
+    for s in seeds:
+        for bv in blocks:
+            for n_out, n_ref in zip(noises(s, x.shape[0]), noises(s, x.shape[0])):
+                ref = reference(x if x_target is None else x_target, q, p, lim, n_ref)
+                out = kernel(x, q, p, lim, n_out, d2t=d2t, block_v=bv)
+                assert same(out, ref), (s, bv, lim, out, ref)
+                counts.update(ref.num_accepted.tolist())
+    return counts
 """
 
 ACCEPT_CHECK = ACCEPT_PRELUDE + r"""
@@ -189,15 +202,7 @@ assert not same(bad, greedy_accept(x, logits))
 
 
 def check_rejection(x, q, p, lim, d2t=None, x_target=None, blocks=(256,), seeds=range(4)):
-    counts = set()
-    for s in seeds:
-        for bv in blocks:
-            for n_out, n_ref in zip(noises(s, x.shape[0]), noises(s, x.shape[0])):
-                ref = rejection_accept(x if x_target is None else x_target, q, p, lim, n_ref)
-                out = rejection_accept_triton(x, q, p, lim, n_out, d2t=d2t, block_v=bv)
-                assert same(out, ref), (s, bv, lim, out, ref)
-                counts.update(ref.num_accepted.tolist())
-    return counts
+    return check_rule(rejection_accept_triton, rejection_accept, x, q, p, lim, d2t, x_target, blocks, seeds)
 
 
 for B, gamma, V, spread in [(4, 7, 3000, 0.7), (3, 3, 500, 2.0), (2, 0, 300, 1.0)]:
@@ -262,16 +267,7 @@ from dspark_sgl.speculative.accept import block_accept, greedy_accept
 
 
 def check_block(x, q, p, lim, d2t=None, x_target=None, blocks=(64,), seeds=range(3)):
-    # c and the bonus equal block_accept's on the same noise (generator and seeded rows)
-    counts = set()
-    for s in seeds:
-        for bv in blocks:
-            for n_out, n_ref in zip(noises(s, x.shape[0]), noises(s, x.shape[0])):
-                ref = block_accept(x if x_target is None else x_target, q, p, lim, n_ref)
-                out = block_accept_triton(x, q, p, lim, n_out, d2t=d2t, block_v=bv)
-                assert same(out, ref), (s, bv, lim, out, ref)
-                counts.update(ref.num_accepted.tolist())
-    return counts
+    return check_rule(block_accept_triton, block_accept, x, q, p, lim, d2t, x_target, blocks, seeds)
 
 
 # V = 300 over blocks of 64 (a ragged last one), 256 and 512 (one masked block); γ = 1 and γ = 0 too
