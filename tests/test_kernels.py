@@ -118,6 +118,16 @@ class HalfNoise(Noise):  # every accept uniform 1/2, for ties built on purpose
         return half if stream == ACCEPT else super().uniform(B, n, stream, device)
 
 
+def reduced_dists(V, K, gamma, B=4):
+    # a reduced vocabulary: q zero outside K draft tokens (as draft_probs builds it), drafts in draft ids via d2t
+    vocab = torch.randperm(V, generator=g)[:K].sort().values
+    p = torch.softmax(torch.randn(B, gamma + 1, V, generator=g) * 2, -1)
+    qk = torch.softmax(torch.log(p[:, :gamma, vocab]) + 0.5 * torch.randn(B, gamma, K, generator=g), -1)
+    q = torch.zeros(B, gamma, V).index_copy_(-1, vocab, qk)
+    ids = torch.multinomial(qk.reshape(-1, K), 1, generator=g).view(B, gamma)
+    return vocab, vocab - torch.arange(K), ids, q, p
+
+
 def check_rule(kernel, reference, x, q, p, lim, d2t, x_target, blocks, seeds):
     # the kernel's c and bonus equal the reference's on the same noise (generator and seeded rows)
     counts = set()
@@ -219,12 +229,7 @@ assert ref_counts == {4, 2, 0}
 
 # reduced vocabulary: q zero outside K draft tokens (as draft_probs builds it), drafts in draft ids through d2t
 V, K, gamma = 1500, 120, 6
-vocab = torch.randperm(V, generator=g)[:K].sort().values
-d2t = vocab - torch.arange(K)
-p = torch.softmax(torch.randn(4, gamma + 1, V, generator=g) * 2, -1)
-qk = torch.softmax(torch.log(p[:, :gamma, vocab]) + 0.5 * torch.randn(4, gamma, K, generator=g), -1)
-q = torch.zeros(4, gamma, V).index_copy_(-1, vocab, qk)
-ids = torch.multinomial(qk.reshape(-1, K), 1, generator=g).view(4, gamma)
+vocab, d2t, ids, q, p = reduced_dists(V, K, gamma)
 for lim in limits(4, gamma):
     check_rejection(ids, q, p, lim, d2t=d2t, x_target=vocab[ids], blocks=(128,))
 
@@ -310,12 +315,7 @@ for lim in limits(8, 5):
 
 # reduced vocabulary: q zero outside K draft tokens, drafts in draft ids through d2t
 V, K, gamma = 300, 40, 4
-vocab = torch.randperm(V, generator=g)[:K].sort().values
-d2t = vocab - torch.arange(K)
-p = torch.softmax(torch.randn(4, gamma + 1, V, generator=g) * 2, -1)
-qk = torch.softmax(torch.log(p[:, :gamma, vocab]) + 0.5 * torch.randn(4, gamma, K, generator=g), -1)
-q = torch.zeros(4, gamma, V).index_copy_(-1, vocab, qk)
-ids = torch.multinomial(qk.reshape(-1, K), 1, generator=g).view(4, gamma)
+vocab, d2t, ids, q, p = reduced_dists(V, K, gamma)
 for lim in [*limits(4, gamma), torch.full((4,), gamma)]:
     check_block(ids, q, p, lim, d2t=d2t, x_target=vocab[ids])
 
