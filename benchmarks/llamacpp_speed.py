@@ -12,6 +12,12 @@ Where a run's output differs from plain, the first divergent token and plain's t
 Time split: llama.cpp's own `dur(g)` (the draft's block decode) against the server's generation time (the rest is
 the target's verify, the draft's context injection and sampling).
 
+With --engines (default on), the same run continues on the same prompts (the same token ids, batch 1, T=0, the
+first --draft) through our two other engines, each against its own plain decoding:
+  reference  dspark_sgl's reference engine on the fp32 HF target (benchmarks/spec_speed.py's passes)
+  sglang     real SGLang 0.5.23 served by `dspark serve`: plain, NGRAM (k = 4) and DSPARK, our worker
+             (benchmarks/sglang_speed.py's passes; needs $DSPARK_SGL_VENV, .ci/install_sglang.sh)
+
   PYTHONPATH=$PWD nice -n 10 python benchmarks/llamacpp_speed.py [--draft runs/NAME/draft ...] [--prompts 10]
 Writes benchmarks/results/llamacpp_speed.json.
 """
@@ -111,6 +117,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--p-min-grid", default="0.3,0.5,0.7,0.9")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/llamacpp_speed.json"))
+    ap.add_argument("--engines", action=argparse.BooleanOptionalAction, default=True,
+                    help="also our reference engine and real SGLang on the same prompts with the first draft")
     args = ap.parse_args()
 
     from dspark_sgl.loading import load_tokenizer
@@ -151,9 +159,41 @@ def main() -> None:
         logit_gaps(target, prompts, results, args.tokens, tmp / f"{kind}-gaps.log")
         record["results"] += [r for rows in results.values() for r in rows]
         print_table([r for rows in results.values() for r in rows], record)
+    if args.engines:
+        record["results"] += engine_rows(drafts[0], args.prompts, args.tokens, tmp)
+        print_table(record["results"], record)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def engine_rows(draft: Path, n: int, tokens: int, tmp: Path) -> list[dict]:
+    """The same prompts (first n of each set, chat template, batch 1, T=0, `tokens` new) through our reference engine
+    and real SGLang, as rows shaped like llama.cpp's: tok/s, ratio to the engine's own plain, accept length (bonus
+    included), identical to that plain. Both benchmarks raise if an fp32 output differs where it must not."""
+    from benchmarks import sglang_speed, spec_speed
+
+    rows = []
+    for s in SETS:
+        out = tmp / f"reference-{s}.json"
+        spec_speed.main(draft=[str(draft)], tau=[0.0], data=harness.DATA / f"{s}.jsonl", limit=n,
+                        max_new_tokens=tokens, batch_size=[1], dtype=["float32"], json_out=out)
+        for r in json.loads(out.read_text())["rows"]:
+            plain = r["engine"] == "plain"
+            rows.append({"target": "hf-fp32", "set": s, "config": f"reference {'plain' if plain else 'dspark'}",
+                         "prompts": r["prompts"], "tokens": r["tokens"], "tok_s": r["tok_s"],
+                         "ratio_to_plain": r["ratio"], "step_ms": r["step_ms"]}
+                        | ({} if plain else {"accept_len": r["tau"], "identical": r["identical"]}))
+    out = tmp / "sglang.json"
+    sglang_speed.main(draft=str(draft), data=[harness.DATA / f"{s}.jsonl" for s in SETS], limit=n,
+                      max_new_tokens=tokens, concurrency=[1], ngram_tokens=[4], builtin=False, json_out=out)
+    for res in json.loads(out.read_text())["results"]:
+        for r in res["rows"]:
+            plain = r["method"] == "plain"
+            rows.append({"target": "hf-fp32", "set": res["data"], "config": f"sglang {r['method']}",
+                         "prompts": r["prompts"], "tok_s": r["tok_s"], "ratio_to_plain": r["ratio"]}
+                        | ({} if plain else {"accept_len": r["accept_length"], "identical": r["identical"]}))
+    return rows
 
 
 def print_table(rows: list[dict], record: dict) -> None:
