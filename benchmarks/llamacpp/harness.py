@@ -23,7 +23,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp we build
 BUILD_SCRIPT = "benchmarks/llamacpp/build.sh"
-DATA = Path("/work/shared/data/eval")
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"  # ../shared beside the checkout
 HELD_OUT_GSM8K = 50  # the first 50 GSM8K questions are the project's held-out set (configs/smollm2-135m-cpu.yaml)
 
 
@@ -85,7 +85,7 @@ def convert(folder: Path, out: Path, *args: str) -> None:
 
 
 def eval_prompts(name: str, n: int, skip: int = 0) -> list[str]:
-    """First user turns of /work/shared/data/eval/{name}.jsonl (GSM8K: the held-out first 50)."""
+    """First user turns of ../shared/data/eval/{name}.jsonl (GSM8K: the held-out first 50)."""
     from dspark_sgl.evaluate import read_prompts
 
     return read_prompts(DATA / f"{name}.jsonl", skip + n)[skip:]
