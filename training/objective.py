@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark_sgl.kernels.markov_step import markov_step
 from dspark_sgl.model.draft import DSparkDraft
 
 # Rows of the per-position statistics tensor returned by `compute_objective` (each row has γ columns).
@@ -248,10 +249,10 @@ class VocabLoss(torch.autograd.Function):
             if vocab is not None:  # labels as draft ids; a label outside S gets no CE
                 inset = label_idx[s:e] >= 0
                 y = label_idx[s:e].clamp(min=0)
-            # In place wherever possible: these [rows, V] fp32 passes, not the matmuls, dominate on CPU.
-            logits = F.linear(hc.to(lm.dtype), lm).float()
-            logits += F.linear(lc.to(w2.dtype), w2).float()
-            pred = logits.argmax(-1)
+            # The serving rollout's Markov step (base + W2·latent, argmax): one definition, and the fused Triton
+            # kernel on CUDA. After it, in place wherever possible: these [rows, V] fp32 passes, not the matmuls,
+            # dominate on CPU.
+            pred, logits = markov_step(F.linear(hc.to(lm.dtype), lm).float(), lc, w2)
             lse = torch.logsumexp(logits, -1)
             ce = lse - logits.gather(1, y[:, None]).squeeze(1)
             p = logits.sub_(lse[:, None]).exp_()  # draft probabilities, in the logits' buffer
