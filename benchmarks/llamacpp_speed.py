@@ -141,7 +141,7 @@ def main() -> None:
             gguf = harness.export(d, target, tmp / f"{d.name}-{kind}.gguf")
             label = f"{d.parent.name}/{d.name}" if d.name == "draft" else d.name
             cfg = json.loads((d / "config.json").read_text())
-            record["drafts"][label] = {"folder": str(d), "draft_vocab_size": cfg.get("draft_vocab_size")}
+            record["drafts"].setdefault(label, {"folder": str(d), "draft_vocab_size": cfg.get("draft_vocab_size")})
             best, speeds = tune_p_min(target, gguf, tokenizer, [float(x) for x in args.p_min_grid.split(",")],
                                       args.tokens, tmp)
             record["drafts"][label][f"p_min_tuning_{kind}"] = speeds
