@@ -250,8 +250,8 @@ class VocabLoss(torch.autograd.Function):
                 inset = label_idx[s:e] >= 0
                 y = label_idx[s:e].clamp(min=0)
             # The serving rollout's Markov step (base + W2·latent, argmax): one definition, and the fused Triton
-            # kernel on CUDA. After it, in place wherever possible: these [rows, V] fp32 passes, not the matmuls,
-            # dominate on CPU.
+            # kernel on CUDA (not yet timed there at a chunk's row count). After it, in place wherever possible:
+            # these [rows, V] fp32 passes, not the matmuls, dominate on CPU.
             pred, logits = markov_step(F.linear(hc.to(lm.dtype), lm).float(), lc, w2)
             lse = torch.logsumexp(logits, -1)
             ce = lse - logits.gather(1, y[:, None]).squeeze(1)

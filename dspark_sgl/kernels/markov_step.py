@@ -19,8 +19,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def markov_step_reference(base: Tensor, latent: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
-    """base [B, V] fp32, latent [B, r], w2 [V, r] -> (argmax [B] (ties to the lowest id), logits [B, V] fp32)."""
-    logits = base.float() + (latent.to(w2.dtype) @ w2.T).float()
+    """base [B, V] fp32, latent [B, r], w2 [V, r] -> (argmax [B] (ties to the lowest id), logits [B, V] fp32).
+
+    The base is added into the bias's own fresh buffer: no third [B, V] tensor (the trainer's loss chunks are
+    thousands of rows wide), and `base` is never written."""
+    logits = (latent.to(w2.dtype) @ w2.T).float().add_(base)
     return logits.argmax(-1), logits
 
 
