@@ -28,6 +28,7 @@ held-out prompts of GSM8K, HumanEval and MT-Bench (T=0, `--max-new-tokens`). Exp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -298,7 +299,7 @@ def main(
 ) -> None:
     ours_over = list(set_) + (["draft.draft_vocab_size=null"] if same_vocab else [])
     rec, dcfg, target_dir = load(recipe, list(set_))
-    full = type(dcfg).from_dict({**dcfg.to_dict(), "draft_vocab_size": None})  # SpecForge: no d2t map
+    full = dataclasses.replace(dcfg, draft_vocab_size=None)  # SpecForge: no d2t map, the full vocabulary
     full.require_full_vocab("SpecForge 0.2.0")
     samples = prepare_data(rec, target_dir, data_cache.resolve())
     root = root.resolve()
