@@ -79,7 +79,7 @@ def run_ours(recipe_path: Path, overrides: list[str], folder: Path, data_cache: 
     shutil.copytree(data_cache, folder / "data")
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "-m", "training", "--config", str(recipe_path),
            *overrides, f"train.out_dir={folder / 'run'}", f"data.cache_dir={folder / 'data'}",
-           f"train.minutes={minutes - startup_s / 60:.4f}", "train.max_steps=null", "train.epochs=100",
+           f"train.minutes={minutes - startup_s / 60:.4f}", "train.max_steps=null",
            "train.keep_checkpoints=100000",
            "eval.datasets=[]", "eval.calibrate_prompts=0", "train.wandb_mode=disabled", "train.progress=false"]
     t0 = time.time()
@@ -142,8 +142,10 @@ def capture(target, samples: list, out: Path, deadline: float, dtype: torch.dtyp
     return n
 
 
-def specforge_config(recipe, dcfg, target_dir: Path, folder: Path, max_steps: int, nproc: int, dtype: str) -> Path:
-    """SpecForge's run YAML with the recipe's hyperparameters (reference notes, last section: the CPU settings)."""
+def specforge_config(recipe, dcfg, target_dir: Path, folder: Path, max_steps: int, nproc: int, dtype: str,
+                     warmup_steps: int = 0) -> Path:
+    """SpecForge's run YAML with the recipe's hyperparameters (reference notes, last section: the CPU settings);
+    its warmup is ours in steps (ours: warmup_ratio of the recipe's epoch-bound step count)."""
     draft_json = folder / "draft_config.json"
     draft_json.write_text(json.dumps(dcfg.to_dict(), indent=2))
     o, t, r = recipe.objective, recipe.train, recipe.optim
@@ -157,7 +159,8 @@ def specforge_config(recipe, dcfg, target_dir: Path, folder: Path, max_steps: in
         "training": {"strategy": "dspark", "max_steps": max_steps, "num_epochs": 1000,
                      "batch_size": min(per_rank, t.micro_batch),
                      "accumulation_steps": max(1, per_rank // t.micro_batch),
-                     "learning_rate": r.lr, "warmup_ratio": r.warmup_ratio, "max_grad_norm": r.clip_grad_norm,
+                     "learning_rate": r.lr, "warmup_ratio": min(1.0, warmup_steps / max_steps),
+                     "max_grad_norm": r.clip_grad_norm,
                      "attention_backend": "sdpa", "num_anchors": o.num_anchors, "loss_decay_gamma": o.gamma_decay,
                      "dspark_ce_loss_alpha": o.ce_weight, "dspark_l1_loss_alpha": o.l1_weight,
                      "dspark_confidence_head_alpha": o.bce_weight, "fsdp_sharding": "NO_SHARD",
@@ -198,7 +201,10 @@ def run_specforge(recipe, dcfg, target_dir: Path, samples: list, folder: Path, m
     del target
     captured_s = time.time() - t0
     max_steps = max(1, int((deadline - time.time()) / step_s))
-    cfg = specforge_config(recipe, dcfg, target_dir, folder, max_steps, nproc, dtype_name)
+    from training.trainer import total_steps
+
+    warmup = round(recipe.optim.warmup_ratio * total_steps(recipe, len(samples)))  # what ours uses
+    cfg = specforge_config(recipe, dcfg, target_dir, folder, max_steps, nproc, dtype_name, warmup)
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), str(BIN / "specforge"), "train", "-c", str(cfg),
            f"deployment.trainer.nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECFORGE_DEVICE": "cpu"}
@@ -221,7 +227,7 @@ def run_specforge(recipe, dcfg, target_dir: Path, samples: list, folder: Path, m
     step_times = re.findall(r"'perf/optimizer_step_time_s': ([0-9.]+)", (folder / "train.log").read_text())
     return {"step_s_logged": float(step_times[-1]) if step_times else None,
             "launched": t0, "wall_s": time.time() - t0, "capture_s": captured_s, "captured_samples": n,
-            "planned_steps": max_steps, "finished_before_budget": rc == 0, "checkpoints": ckpts}
+            "planned_steps": max_steps, "warmup_steps": warmup, "finished_before_budget": rc == 0, "checkpoints": ckpts}
 
 
 def export_specforge(folder: Path, step: int, out: Path) -> Path:

@@ -93,10 +93,12 @@ def test_run_config_validates_in_specforge(tiny, tmp_path):
     from specforge.config.schema import load_config
 
     recipe, dcfg, target_dir = tvs.load(tiny["recipe"], [])
-    path = tvs.specforge_config(recipe, dcfg, target_dir, tmp_path, max_steps=10, nproc=2, dtype="bfloat16")
+    path = tvs.specforge_config(recipe, dcfg, target_dir, tmp_path, max_steps=10, nproc=2, dtype="bfloat16",
+                                warmup_steps=2)
     cfg = load_config(str(path))
     t = cfg.training
     assert t.strategy == "dspark" and t.fsdp_sharding == "NO_SHARD" and t.attention_backend == "sdpa"
+    assert t.warmup_ratio == 0.2  # 2 of 10 steps: the warmup ours would use, in steps
     assert t.batch_size * t.accumulation_steps * 2 == recipe.train.global_batch
     assert (t.learning_rate, t.num_anchors, t.loss_decay_gamma) == (recipe.optim.lr, recipe.objective.num_anchors,
                                                                   recipe.objective.gamma_decay)
