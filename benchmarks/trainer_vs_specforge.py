@@ -7,7 +7,10 @@ mixture, regenerated and tokenised once by training/data.py into `--data-cache` 
 start from the same token ids), the draft architecture (the recipe's draft section; SpecForge has no reduced draft
 vocabulary, so `--same-vocab` trains ours at the full vocabulary too, else ours keeps the recipe's 8,192-token head and
 the row says so), the optimiser settings (lr, warmup, clip, global batch, anchors, γ decay, loss weights), the
-processes (2 ranks × 1 thread, gloo) and the wall budget: each trainer gets `--minutes` from its launch.
+processes and the wall budget: each trainer gets `--minutes` from its launch. By default both run AT THE SAME TIME,
+each on half of `--nproc` (1 rank × 1 thread each on 2 cores), each in its own session: on a shared box (the kernel's
+autogroup scheduler shares the CPU between sessions, whatever their nice) the others' load then hits both alike.
+`--no-concurrent` runs them one after the other on all of `--nproc`.
 
 - ours: `torchrun -m training` with `train.minutes=M` (its data phase reads the shared cache; the target prefill of
   epoch 1 is inside its steps, as in the recipe); a checkpoint every `train.save_every` steps.
@@ -37,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -83,9 +87,9 @@ def run_ours(recipe_path: Path, overrides: list[str], folder: Path, data_cache: 
            "train.keep_checkpoints=100000",
            "eval.datasets=[]", "eval.calibrate_prompts=0", "train.wandb_mode=disabled", "train.progress=false"]
     t0 = time.time()
-    with open(folder / "train.log", "w") as log:
+    with open(folder / "train.log", "w") as log:  # its own session, like SpecForge's (the scheduler's fair share)
         subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                       stderr=subprocess.STDOUT, check=True)
+                       stderr=subprocess.STDOUT, check=True, start_new_session=True)
     ckpts = {int(p.name.split("-")[1]): p.stat().st_mtime - t0 for p in (folder / "run" / "checkpoints").glob("step-*")
              if p.is_dir() and not p.name.endswith(".tmp")}
     phases = json.loads((folder / "run" / "phases.json").read_text())
@@ -291,6 +295,8 @@ def main(
     trainers: Annotated[str, typer.Option(help="Comma list of ours, specforge.")] = "ours,specforge",
     same_vocab: Annotated[bool, typer.Option(help="Train ours at the full vocabulary too (SpecForge's).")] = False,
     nproc: Annotated[int, typer.Option(min=1)] = 2,
+    concurrent: Annotated[bool, typer.Option(
+        help="Run the trainers at the same time on nproc/2 ranks each (a shared box's load hits both alike).")] = True,
     stage: Annotated[str, typer.Option(help="train (under the bench lock), eval (after it: τ needs no lock) or all."
                                        )] = "all",
     capture_share: Annotated[float, typer.Option(min=0.01, max=0.99)] = 0.25,
@@ -312,19 +318,31 @@ def main(
     rows = []
     state = root / "runs.json"
     runs = json.loads(state.read_text()) if state.exists() else {}
-    for trainer in trainers.split(",") if stage in ("train", "all") else []:
-        folder = root / trainer
-        print(f"[{trainer}] training for {minutes:g} min", flush=True)
+    names = trainers.split(",") if stage in ("train", "all") else []
+    if unknown := set(names) - {"ours", "specforge"}:
+        raise typer.BadParameter(f"unknown trainer(s) {sorted(unknown)} (ours, specforge)")
+    each = max(1, nproc // len(names)) if concurrent and names else nproc
+
+    def train(trainer: str) -> None:
+        print(f"[{trainer}] training for {minutes:g} min on {each} rank(s)", flush=True)
         if trainer == "ours":
-            runs[trainer] = run_ours(recipe.resolve(), ours_over, folder, data_cache.resolve(), minutes, nproc,
+            runs[trainer] = run_ours(recipe.resolve(), ours_over, root / trainer, data_cache.resolve(), minutes, each,
                                      ours_startup_s)
-        elif trainer == "specforge":
-            runs[trainer] = run_specforge(rec, full, target_dir, samples, folder, minutes, nproc, capture_share,
-                                          specforge_step_s)
         else:
-            raise typer.BadParameter(f"unknown trainer {trainer!r} (ours, specforge)")
+            runs[trainer] = run_specforge(rec, full, target_dir, samples, root / trainer, minutes, each,
+                                          capture_share, specforge_step_s)
+        runs[trainer]["ranks"] = each
         print(f"[{trainer}] {json.dumps({k: v for k, v in runs[trainer].items() if k != 'checkpoints'})}", flush=True)
-        state.write_text(json.dumps(runs, indent=1))  # each finished trainer is kept (JSON: step keys are strings)
+
+    if concurrent:  # side by side: both see the same load on a shared box
+        with ThreadPoolExecutor(len(names) or 1) as pool:
+            for f in [pool.submit(train, n) for n in names]:
+                f.result()
+    else:
+        for n in names:
+            train(n)
+    if names:
+        state.write_text(json.dumps(runs, indent=1))  # JSON: step keys become strings
     if stage == "train":
         return
     runs = json.loads(json.dumps(runs))
@@ -353,6 +371,7 @@ def main(
                                        ours_startup_s=ours_startup_s,
                                        max_new_tokens=max_new_tokens, sets=SETS, nproc=nproc, same_vocab=same_vocab,
                                        capture_share=capture_share, specforge_step_s=specforge_step_s,
+                                       concurrent=concurrent,
                                        samples=len(samples)),
               "note": note,
               "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("checkpoints", "launched")}
