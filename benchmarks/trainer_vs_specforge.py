@@ -275,6 +275,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=trainer)
         ax.set_title(name)
+        ax.set_xlim(0, max(r["minutes"] for r in rows) * 1.02)
         ax.set_xlabel("wall minutes from cold start")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("τ (T=0, held-out)")
