@@ -54,13 +54,19 @@ def train_variant(folder: Path, overrides: list[str], data_cache: Path, steps: i
     return time.time() - t0
 
 
-def eval_variant(folder: Path, prompts: int, max_new_tokens: int, eval_dir: Path) -> None:
-    cmd = [str(Path(sys.executable).with_name("dspark")), "eval", "--draft", str(folder / "run" / "draft"),
+def eval_draft(draft: Path, out: Path, prompts: int, max_new_tokens: int, eval_dir: Path, log_file: Path,
+               target: str = "smollm2") -> None:
+    """`dspark eval` of one draft folder on the first `prompts` held-out prompts of each set (T=0, batch 10)."""
+    cmd = [str(Path(sys.executable).with_name("dspark")), "eval", "--target", target, "--draft", str(draft),
            *[a for s in SETS for a in ("--data", str(eval_dir / f"{s}.jsonl"))], "--limit", str(prompts),
-           "--max-new-tokens", str(max_new_tokens), "--batch-size", "10", "--json-out", str(folder / "eval.json")]
-    with open(folder / "eval.log", "w") as log:
+           "--max-new-tokens", str(max_new_tokens), "--batch-size", "10", "--json-out", str(out)]
+    with open(log_file, "w") as log:
         subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, stdout=log,
                        stderr=subprocess.STDOUT, check=True)
+
+
+def eval_variant(folder: Path, prompts: int, max_new_tokens: int, eval_dir: Path) -> None:
+    eval_draft(folder / "run" / "draft", folder / "eval.json", prompts, max_new_tokens, eval_dir, folder / "eval.log")
 
 
 def summarise(name: str, overrides: list[str], folder: Path) -> dict:
