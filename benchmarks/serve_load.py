@@ -225,7 +225,13 @@ def main(
         for file in data:
             jsonl = Path(tmp) / f"{file.stem}.jsonl"
             prompt_files[file.stem] = (jsonl, write_prompts(file, limit, jsonl))
-        runs, servers = [], {}
+        inputs = dict(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit, concurrency=levels,
+                      requests_per_level=requests_per_level, repeats=repeats, output_len=output_len,
+                      max_running_requests=max_running_requests, ngram_tokens=ngram_tokens, only=only,
+                      draft_note=draft_note or f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
+                      tool="python -m sglang.benchmark.serving --backend sglang --dataset-name custom "
+                           "--request-rate inf --temperature 0 --disable-ignore-eos")
+        runs, servers, info, identity = [], {}, None, None
         with contextlib.ExitStack() as stack:
             for method, args in methods.items():  # all up at once, driven one at a time
                 servers[method] = stack.enter_context(ServeCommand(
@@ -247,10 +253,12 @@ def main(
                             console.print(f"[{rep}] {name} c={c} {method}: {row['output_throughput']:.1f} tok/s, "
                                           f"TTFT p99 {row['p99_ttft_ms']:.0f} ms")
                             runs.append({**row, "tool_record": rec})
+                            write_record(out, inputs, runs, info, identity, complete=False)  # a cut run keeps these
             info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
                     for m in names if m.startswith("DSPARK")}
+            write_record(out, inputs, runs, info, identity, complete=False)
             identity = t0_identity(servers, target, prompt_files, output_len)
-    rows = summarize(runs)
+    rows = write_record(out, inputs, runs, info, identity, complete=True)
     cpu = provenance()["cpu"]
     table = Table(title=f"sglang.benchmark.serving on {cpu}, fp32, T=0, ≤{output_len} new tokens, "
                         f"{repeats} repeats (median [min-max])")
@@ -259,24 +267,24 @@ def main(
     for r in sorted(rows, key=lambda r: (r["set"], r["concurrency"], r["method"])):
         t, acc = r["output_throughput"], r["accept_length"]
         table.add_row(r["set"], r["method"], str(r["concurrency"]), str(r["requests"]),
-                      f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]", f"{r['tok_s_vs_plain']:.2f}",
+                      f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]", f"{r['tok_s_vs_plain'] or 0:.2f}",
                       f"{r['median_ttft_ms']['median']:.0f}", f"{r['p99_ttft_ms']['median']:.0f}",
                       "-" if not acc else f"{acc['median']:.2f}")
     Console().print(table)
-    record = {"provenance": provenance(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit,
-                                       concurrency=levels, requests_per_level=requests_per_level, repeats=repeats,
-                                       output_len=output_len, max_running_requests=max_running_requests,
-                                       ngram_tokens=ngram_tokens, only=only, draft_note=draft_note or
-                                       f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
-                                       tool="python -m sglang.benchmark.serving --backend sglang --dataset-name "
-                                            "custom --request-rate inf --temperature 0 --disable-ignore-eos"),
-              "summary": rows, "t0_identical_to_plain": identity, "dspark_server_info": info, "runs": runs}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
     console.print(f"wrote {out}")
     if plot_path is not None:
         plot(rows, plot_path, cpu)
         console.print(f"wrote {plot_path}")
+
+
+def write_record(out: Path, inputs: dict, runs: list[dict], info, identity, complete: bool) -> list[dict]:
+    """The result file, rewritten after every run (`complete` false until the end): a run cut short keeps its data."""
+    rows = summarize(runs)
+    record = {"provenance": provenance(**inputs), "complete": complete, "summary": rows,
+              "t0_identical_to_plain": identity, "dspark_server_info": info, "runs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return rows
 
 
 def t0_identity(servers: dict, target: str, prompt_files: dict, output_len: int) -> dict:
