@@ -139,7 +139,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         acc = [r["accept_length"] for r in rs if r.get("accept_length")]
         row["accept_length"] = spread(acc) if acc else None
         rows.append(row)
-    plain = {(r["set"], r["concurrency"]): r["output_throughput"]["median"] for r in rows if r["method"] == "plain"}
+    base = "plain" if any(r["method"] == "plain" for r in rows) else "plain no-overlap"
+    plain = {(r["set"], r["concurrency"]): r["output_throughput"]["median"] for r in rows if r["method"] == base}
     for r in rows:
         base = plain.get((r["set"], r["concurrency"]))
         r["tok_s_vs_plain"] = None if not base else round(r["output_throughput"]["median"] / base, 3)
@@ -294,9 +295,11 @@ def t0_identity(servers: dict, target: str, prompt_files: dict, output_len: int)
     tok = AutoTokenizer.from_pretrained(target)
     out = {}
     for name, (_, texts) in prompt_files.items():
-        ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+        chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+        ids = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
         got = {m: [o["output_ids"] for o in s.generate(ids, output_len)] for m, s in servers.items()}
-        ref = got.get("plain")
+        ref = got.get("plain", got.get("plain no-overlap"))
         out[name] = {m: None if ref is None else sum(a == b for a, b in zip(g, ref, strict=True))
                      for m, g in got.items()} | {"prompts": len(ids)}
     return out
