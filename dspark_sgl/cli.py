@@ -352,6 +352,10 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
+    speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
+                                                       "pays) | on | off. At run time: /set_internal_state "
+                                                       "dspark_force_budget_frac.")] = None,
+    speculate_max_batch: Annotated[int | None, typer.Option(help="Batches larger than this never speculate.")] = None,
     host: str = "127.0.0.1",
     port: int = 30000,
     python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
@@ -364,7 +368,8 @@ def serve(
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
         cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype, draft_root=draft_root)
+                          draft_dtype=draft_dtype, draft_root=draft_root, speculate=speculate,
+                          speculate_max_batch=speculate_max_batch)
         if python is not None:
             cfg.python = python
         cmd, env = prepare(cfg)

@@ -27,6 +27,7 @@ from dspark_sgl.targets.hf import TargetKV
 from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
+from tests.test_fullcost_rule import alternating, check_decided_before_drafting, check_off_where_the_draft_cannot_pay
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 pytestmark = pytest.mark.planted
@@ -143,16 +144,17 @@ def check_bigram_accepts(schedule_all: bool = False):
 
 
 @torch.no_grad()
-def check_context_from_scratch():
+def check_context_from_scratch(planner=None, off_after_each: bool = False):
     """The draft's confidence logits at every engine step equal a recomputation whose draft context is built from
     scratch (a fresh prefill of the committed tokens): the incremental context K/V holds exactly the committed
-    tokens at their positions."""
+    tokens at their positions. `off_after_each`: the planner runs an off step first and after every speculative step
+    (tests/test_fullcost_rule.py's alternating planner), whose context must be written too."""
     target = HFTarget(tiny_llama(), [0, 2])
     torch.manual_seed(1)
     draft = DSparkDraft(draft_config_for(target, block_size=4))
     prompt = PROMPTS[0]
-    o = SpecEngine(target, draft).generate([prompt], 16)[0]
-    worst, i = 0.0, 0
+    o = SpecEngine(target, draft, planner).generate([prompt], 16)[0]
+    worst, i = 0.0, int(off_after_each)
     for c, conf in zip(o.stats.accepted, o.stats.confidence, strict=True):
         kv = TargetKV(target, [prompt + o.token_ids[:i]])
         first = kv.prefill(logits="last")
@@ -161,8 +163,15 @@ def check_context_from_scratch():
         h = draft.forward_step(torch.tensor([o.token_ids[i]]), ctx)
         ref = rollout(draft, h, torch.tensor([o.token_ids[i]])).conf_logits[0]
         worst = max(worst, float((ref - torch.tensor(conf)).abs().max()))
-        i += c + 1
-    return worst < 1e-4, f"max |Δ confidence logit| = {worst:.3g}"
+        i += c + 1 + int(off_after_each)
+    return worst < 1e-4 and len(o.stats.accepted) >= 3, f"max |Δ confidence logit| = {worst:.3g}"
+
+
+def test_off_steps_keep_the_draft_context_exact():
+    """The full-cost rule's off steps (engine._plain_step with a draft context) append the anchor's context: after
+    them the draft's confidences equal a recomputation from scratch (without the append: max Δ 1.4e-3)."""
+    ok, detail = check_context_from_scratch(alternating(4, 1), off_after_each=True)
+    assert ok, detail
 
 
 def check_seed():
@@ -185,6 +194,8 @@ ENGINE_CHECKS = {
     "penalty_drafts": lambda: check_chi2(penalty_pvalue),
     "top_p_boundary": lambda: check_chi2(top_p_pvalue),
     "seed": check_seed,
+    "cost_no_draft": check_off_where_the_draft_cannot_pay,
+    "decide_peek": check_decided_before_drafting,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}

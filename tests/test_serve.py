@@ -115,12 +115,18 @@ def test_draft_dtype_travels_in_the_override_args_merged_with_the_users(folders,
                                                                      "dspark_draft_dtype": "auto"}
     cmd, _ = serve.prepare(serve.ServeConfig(target, draft))
     assert "--json-model-override-args" not in cmd  # default: the draft runs in the target's dtype
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, speculate="off", speculate_max_batch=8))
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_speculate": "off",
+                                                                     "dspark_speculate_max_batch": 8}
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(draft_dtype="fp7"), "--draft-dtype must be one of"),
     (dict(draft_dtype="bfloat16", no_draft=True), "--draft-dtype needs --draft"),
     (dict(draft_dtype="bfloat16", extra=["--json-model-override-args", "{oops"]), "must be one JSON object"),
+    (dict(speculate="sometimes"), "--speculate must be auto, on or off"),
+    (dict(speculate_max_batch=-1), "--speculate-max-batch must be >= 0"),
+    (dict(speculate="off", no_draft=True), "--speculate / --speculate-max-batch need --draft"),
 ])
 def test_bad_draft_dtype_settings_are_one_clear_error(folders, monkeypatch, kwargs, message):
     target, draft = folders

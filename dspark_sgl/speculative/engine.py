@@ -6,6 +6,9 @@
           -> emit accepted + bonus; the bonus is the next anchor
 
 With no draft the same loop runs plain one-token decoding through the same target adapter (the timing baseline).
+With a full-cost planner (scheduler.AdaptivePlanner) each step first decides, from earlier steps only, whether to
+speculate at all; an "off" step is that same plain decode, which also appends the anchor's draft context so the draft
+can resume at any later step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
+from dspark_sgl.speculative.scheduler import AdaptivePlanner
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
 from dspark_sgl.speculative.timing import PHASES, STEP_PHASES, StepTimer
 from dspark_sgl.targets.hf import HFTarget, TargetKV
@@ -157,8 +161,8 @@ class SpecEngine:
                 clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
                          max_new_tokens, s.acceptance, hist)
-            if self.draft is None:
-                anchor = self._plain_step(kv, anchor, step, clock)
+            if self.draft is None or not self._speculate(len(live)):
+                anchor = self._plain_step(kv, anchor, step, clock, ctx)
             else:
                 anchor = self._spec_step(kv, ctx, anchor, step, clock)
             clock.lap("other")
@@ -173,13 +177,23 @@ class SpecEngine:
             else None
         return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
 
-    def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer) -> Tensor:
+    def _speculate(self, batch_size: int) -> bool:
+        """The full-cost planner's decision for this step (earlier steps' data only); other planners always draft."""
+        return not isinstance(self.planner, AdaptivePlanner) or self.planner.decide(batch_size).speculate
+
+    def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer, ctx: DraftContextCache | None = None) -> Tensor:
+        """One plain decode step; with a draft context (an "off" step) the anchor's context is appended too."""
         clock.lap("other", anchor)
         out = kv.extend(anchor[:, None], logits="last")
         clock.lap("verify", out.logits)
         nxt = next_tokens(out.logits[:, -1], step.bs, step.history, step.noise(anchor.device))
         clock.lap("accept", nxt)
-        dt = clock.seconds["verify"] + clock.seconds["accept"]
+        if ctx is not None:
+            ctx.append(out.aux, torch.ones_like(nxt))
+            clock.lap("commit", ctx.lengths)
+        dt = clock.seconds["verify"] + clock.seconds["accept"] + clock.seconds["commit"]
+        if isinstance(self.planner, AdaptivePlanner):
+            self.planner.rule.observe_off(len(nxt), dt)
         for o in step.outs:
             o.stats.verify_s += dt
         self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new, step.history)
@@ -217,6 +231,11 @@ class SpecEngine:
             ctx.append(out.aux, keep)
         t3 = _sync_time(ctx.lengths)
         clock.lap("commit")
+        if isinstance(self.planner, AdaptivePlanner):
+            sec = clock.seconds
+            self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"],
+                                           sec["verify"] + sec["accept"] + sec["commit"], res.num_accepted,
+                                           self.planner.survival_factors(prop))
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
         draft_s, verify_s = sec["draft"] + sec["rollout"] + ctx_s, sec["verify"] + sec["accept"] + sec["commit"] - ctx_s
         emitted = []
