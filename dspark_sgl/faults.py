@@ -32,6 +32,9 @@ The sites (docs/testing.md has the table of which test catches which):
                       ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
     rank_agree      - under TP, a live draft update is not agreed across ranks: each rank swaps or refuses on its own
                       verdict (sglang/ranks.py RankSync.agree)
+    export_transpose - the export writes layer 0's o_proj transposed (square: every loader takes it)
+                      (model/formats.export_state_dict)
+    export_d2t      - the export maps the last draft id one target id too far (model/formats.export_state_dict)
 
 Planted crashes, the same way: `DSPARK_SGL_CRASH=<site>[:<key>]` makes the process SIGKILL itself at that site (with
 a key, only where the site's key matches), leaving whatever a `kill -9` at the worst moment would leave. The fault
@@ -52,7 +55,8 @@ from typing import NoReturn
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
-    "kv_rollback", "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree",
+    "kv_rollback", "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree", "export_transpose",
+    "export_d2t",
 })
 
 
