@@ -4,6 +4,7 @@ and the one place where a missing prerequisite becomes a skip, or a failure wher
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,20 @@ def draft_config_for(target: HFTarget, **over) -> DSparkConfig:
               mask_token_id=target.vocab_size - 1, markov_rank=8, block_size=4)
     kw.update(over)
     return DSparkConfig(**kw)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """O(1) weights everywhere (the default 0.02 init makes the Markov bias ~1e-3: too small to test, and hides
+    transposed or mis-mapped tensors); peers' readers are compared on drafts randomized this way."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+        elif p.dim() == 2 and "markov_w1" not in name:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+        else:  # Markov embedding rows, biases
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 2 else 0.3))
 
 
 def tiny_with_random_draft(vocab: int = 6):

@@ -40,7 +40,7 @@ from dspark_sgl.config import DSparkConfig
 from dspark_sgl.faults import plant
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import rollout
-from tests.conftest import require
+from tests.conftest import randomize, require
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -61,19 +61,6 @@ def draft_config(kind: str) -> DSparkConfig:
         kw.update(attention_type="mla", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
                   qk_rope_head_dim=4, v_head_dim=8)
     return DSparkConfig(**kw)
-
-
-@torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) weights, so that every term (Markov bias, context, each layer) moves the logits well above 1e-4."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        elif p.dim() == 2 and "markov_w1" not in name:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-        else:
-            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 2 else 0.3))
 
 
 def write_target(folder: Path) -> None:
