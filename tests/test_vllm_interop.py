@@ -77,20 +77,30 @@ def write_target(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def target_heads(folder: Path) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
-    w = load_file(str(folder / "model.safetensors"))
-    head = torch.nn.Linear(H, V, bias=False)
-    head.weight.data = w["lm_head.weight"]
-    return torch.nn.Embedding.from_pretrained(w["model.embed_tokens.weight"]), head
+def recipe_config(target: Path, draft_vocab_size: int | None) -> DSparkConfig:
+    """The README recipe's draft shape (configs/smollm2-135m-cpu.yaml: 2 layers, γ = 7, Markov rank 64, mask 16)."""
+    import dataclasses
+
+    from dspark_sgl.loading import init_draft_config, load_tokenizer
+
+    cfg = init_draft_config(target, load_tokenizer(target), num_layers=2, markov_rank=64, block_size=7,
+                            mask_token_id=16)
+    return dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
 
 
 def export(kind: str, folder: Path, target: Path, seed: int = 0) -> DSparkDraft:
-    """Our draft of this kind, randomized and bound to the target, saved the way every export saves it."""
-    draft = DSparkDraft(draft_config(kind)).eval()
+    """Our draft of this kind, randomized and bound to the target, saved the way every export saves it. Kinds
+    `recipe` / `recipe_d2t` (K = 8192) take the README recipe's shape for the target folder given (SmolLM2)."""
+    from training.target import load_target_heads
+
+    config = recipe_config(target, 8192 if kind == "recipe_d2t" else None) if kind.startswith("recipe") else \
+        draft_config(kind)
+    draft = DSparkDraft(config).eval()
     randomize(draft, seed)
-    if kind == "gqa_d2t":
-        draft.set_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:40])
-    draft.bind_target(*target_heads(target))
+    if config.reduced_vocab:
+        ids = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        draft.set_vocab(ids[:config.draft_vocab])
+    draft.bind_target(*load_target_heads(target, torch.float32, "cpu"))
     draft.save_pretrained(folder)
     return draft
 
@@ -165,11 +175,11 @@ class VLLM:
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
             initialize_model_parallel(1, 1)
 
-    def vllm_config(self, draft: Path | None, method: str | None = None):
+    def vllm_config(self, draft: Path | None, method: str | None = None, target_dir: Path | None = None):
         from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
-        target = ModelConfig(model=str(self.target_dir), dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
-                             max_model_len=256)
+        target = ModelConfig(model=str(target_dir or self.target_dir), dtype="float32", skip_tokenizer_init=True,
+                             enforce_eager=True, max_model_len=256)
         spec = None if draft is None else SpeculativeConfig(model=str(draft), method=method, target_model_config=target,
                                                             target_parallel_config=ParallelConfig())
         return VllmConfig(model_config=target, speculative_config=spec, device_config=DeviceConfig("cpu"))
@@ -179,12 +189,12 @@ class VLLM:
 
         return set_current_vllm_config(vc if vc is not None else self.vllm_config(None))
 
-    def load(self, folder: Path, kind: str):
+    def load(self, folder: Path, kind: str, target_dir: Path | None = None):
         """(vllm_config, the draft as vLLM serves it, the loader's report)."""
         from vllm.model_executor.model_loader import get_model, get_model_loader
         from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
-        vc = self.vllm_config(folder, method="dspark" if kind == "mla" else None)
+        vc = self.vllm_config(folder, method="dspark" if kind == "mla" else None, target_dir=target_dir)
         with self.context(vc), torch.no_grad():
             if kind == "mla":
                 # vLLM's K3 MLA layer (models/kimi_k3/nvidia) is NVIDIA-only: on CPU, the unquantized-GEMM prepack
@@ -233,7 +243,7 @@ def vllm_propose(vllm: VLLM, vc, model, aux: torch.Tensor, lengths: list[int], a
         if not isinstance(attn.attn, _ContextAttention):
             attn.attn = _ContextAttention(attn)
     model.model._attn_layers = [attn.attn for attn in layers]
-    B, G = len(lengths), BLOCK
+    B, G = len(lengths), model.config.block_size
     hidden = []
     with vllm.context(vc), torch.no_grad():
         for b, n in enumerate(lengths):
@@ -274,24 +284,26 @@ def ours_propose(draft: DSparkDraft, aux: torch.Tensor, lengths: list[int], anch
         h = draft.forward_step(anchors, cache)
         prop = rollout(draft, h, anchors, 0.0)
         base = draft.base_logits(h)
-    vocab = draft.vocab if draft.vocab is not None else torch.arange(V)
+    vocab = draft.vocab if draft.vocab is not None else torch.arange(draft.config.vocab_size)
     return {"base": base, "steps": prop.logits, "tokens": prop.tokens, "vocab": vocab,
             "confidence": None if prop.conf_logits is None else torch.sigmoid(prop.conf_logits)}
 
 
-def compare(env, kind: str, seed: int = 0, name: str | None = None) -> dict:
+def compare(env, kind: str, seed: int = 0, name: str | None = None, target: Path | None = None) -> dict:
     """Export our draft (under a planted bug when asked), load it with vLLM, feed both the same target hidden states
     and anchors; every difference vLLM's draft step shows against ours."""
     folder = env.root / f"{kind}-{seed}-{name or 'clean'}"
+    target = target or env.root / "target"
     with plant(name):
-        ours = export(kind, folder, env.root / "target", seed)
-    vc, model, report = env.vllm.load(folder, kind)
+        ours = export(kind, folder, target, seed)
+    vc, model, report = env.vllm.load(folder, kind, target)
+    c = ours.config
     g = torch.Generator().manual_seed(seed + 7)
     lengths = [9, 4]  # two requests with different committed contexts
-    aux = torch.randn(2, max(lengths), ours.config.num_aux * H, generator=g) * 3
-    anchors = torch.randint(0, V - 1, (2,), generator=g)
+    aux = torch.randn(2, max(lengths), c.num_aux * c.hidden_size, generator=g) * 3
+    anchors = torch.randint(0, c.vocab_size - 1, (2,), generator=g)
     a, b = ours_propose(ours, aux, lengths, anchors), vllm_propose(env.vllm, vc, model, aux, lengths, anchors,
-                                                                   ours.config.mask_token_id)
+                                                                   c.mask_token_id)
     diff = lambda k: float((a[k].float() - b[k].float()).abs().max())  # noqa: E731
     out = {"kind": kind, "loader": report, "block_logits_max_abs_diff": diff("base"),
            "markov_step_logits_max_abs_diff": diff("steps"), "confidence_max_abs_diff": diff("confidence"),
@@ -387,6 +399,9 @@ def run_report() -> dict:
         write_target(root / "target")
         env = types.SimpleNamespace(root=root, vllm=VLLM(root / "target"))
         result = {"comparisons": [compare(env, kind, seed) for kind in ("gqa", "gqa_d2t") for seed in (0, 1)]}
+        from dspark_sgl.targets.smollm2 import smollm2_hf_dir  # the README recipe's target and draft shape
+
+        result["comparisons"] += [compare(env, kind, 0, target=smollm2_hf_dir()) for kind in ("recipe", "recipe_d2t")]
         export("mla", root / "mla", root / "target")
         result["mla_loader"] = env.vllm.load(root / "mla", "mla")[2]
         result["planted_caught"] = {name: not compare(env, kind, 0, name)["ok"]
