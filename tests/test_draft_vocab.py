@@ -358,6 +358,10 @@ def test_recipe_builds_the_vocabulary_before_step_0_and_resume_reuses_it(tmp_pat
     assert 0.5 < stored["coverage"]["train"] <= 1.0
     w = weights(run)
     assert torch.equal(torch.arange(K) + w["d2t"], ids) and w["markov_head.markov_w2.weight"].shape[0] == K
+    from training.target import load_target_heads
+
+    lm_head = load_target_heads(target, torch.float32, "cpu")[1].weight  # vLLM's K-row head: the target's hot rows
+    assert torch.equal(w["lm_head.weight"].float(), lm_head[ids].to(w["lm_head.weight"].dtype).float())
     # resume from step 2: nothing is rebuilt (the stored vocabulary and the checkpoint's d2t carry the run's set)
     ckpts = run / "checkpoints"
     shutil.rmtree(ckpts / "step-00000004")

@@ -199,10 +199,12 @@ ENGINE_CHECKS = {
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}
+# export_transpose, export_d2t: tests/test_vllm_interop.py (vLLM's own loader and draft step against ours)
+EXPORT_ONLY = {"export_transpose", "export_d2t"}
 
 
 def test_every_plant_has_a_check():
-    assert set(ENGINE_CHECKS) | WORKER_ONLY == PLANTS
+    assert set(ENGINE_CHECKS) | WORKER_ONLY | EXPORT_ONLY == PLANTS
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_CHECKS))

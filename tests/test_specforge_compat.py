@@ -25,7 +25,7 @@ from torch import nn
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import rollout
-from tests.conftest import missing
+from tests.conftest import missing, randomize
 
 SPECFORGE_VERSION = "0.2.0"
 ATOL = 1e-4
@@ -58,19 +58,6 @@ def make_config(**overrides) -> DSparkConfig:
     )
     kw.update(overrides)
     return DSparkConfig(**kw)
-
-
-@torch.no_grad()
-def randomize(model: nn.Module, seed: int) -> None:
-    """O(1) weights everywhere (the default 0.02 init makes the Markov bias ~1e-3: too small to test)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        elif p.dim() == 2 and "markov_w1" not in name:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-        else:  # Markov embedding rows, biases
-            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 2 else 0.3))
 
 
 def target_heads(seed: int) -> tuple[nn.Embedding, nn.Linear]:

@@ -448,7 +448,8 @@ class Trainer:
         if self.main:
             draft = DSparkDraft(self.dcfg)
             draft.load_state_dict(fold_aux_scale(state), strict=True)
-            draft.save_pretrained(folder)
+            target = model.draft.target  # bound: a reduced vocabulary exports its K-row lm_head (vLLM needs it)
+            draft.bind_target(target.embed_tokens, target.lm_head).save_pretrained(folder)
             self.log(f"exported draft to {folder}")
         dist.barrier()
         return folder

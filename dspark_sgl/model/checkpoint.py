@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.model.draft import DSparkDraft, check_vocab
-from dspark_sgl.model.formats import dequantize_state_dict
+from dspark_sgl.model.formats import dequantize_state_dict, export_state_dict
 
 WEIGHTS_FILE = "model.safetensors"
 SKIPPED_PREFIXES = ("lm_head.", "embed_tokens.", "rotary_emb.", "model.embed_tokens.")
@@ -193,11 +193,11 @@ def load_draft(
 
 
 def save_draft(model: DSparkDraft, path: str | Path) -> Path:
-    """Write config.json + model.safetensors (contiguous, names exactly as peers read them)."""
+    """Write config.json + model.safetensors (contiguous, names exactly as peers read them: `export_state_dict`)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = export_state_dict(model)
     tmp = folder / f".{WEIGHTS_FILE}.tmp"  # written whole, then renamed: an interrupted save leaves no half file
     save_file(state, str(tmp), metadata={"format": "pt", "producer": "dspark-sgl",
                                          "block_size": str(model.config.block_size)})

@@ -268,3 +268,27 @@ def dequantize_state_dict(raw_state: dict[str, Tensor], quantization_config: dic
         except FormatError as e:
             raise FormatError(str(e)) from None
     return out
+
+
+# ---- the export (the tensors a draft folder holds)
+# ---------------------------------------------------------------------------------------------
+def export_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The tensors `save_draft` writes: the draft's own state dict, contiguous on the CPU, and for a reduced-vocabulary
+    draft bound to its target also `lm_head.weight`, the target's K hot lm_head rows (in d2t order).
+
+    vLLM's `Qwen3DSparkForCausalLM` refuses a reduced-vocabulary folder without that K-row head (it cannot share the
+    target's V-row one); our loader, SGLang and the GGUF export skip `lm_head.*`, so a full-vocabulary folder stays
+    byte-identical and a reduced one only gains the tensor vLLM reads (docs/interop.md)."""
+    from dspark_sgl.faults import planted
+
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if getattr(model, "_target", None) is not None and model.config.reduced_vocab:
+        rows = model.head_weight().detach()  # the draft's dtype, like the K-row markov_w2 beside it
+        state["lm_head.weight"] = rows.to(model.markov_head.markov_w2.weight.dtype).contiguous().cpu()
+    if planted("export_transpose"):  # one square tensor written transposed: same shape, so every loader takes it
+        name = "layers.0.self_attn.o_proj.weight"
+        state[name] = state[name].t().contiguous()
+    if planted("export_d2t") and "d2t" in state:  # the last draft id mapped one target id too far (still distinct)
+        state["d2t"] = state["d2t"].clone()
+        state["d2t"][-1] += 1
+    return state
