@@ -193,7 +193,7 @@ def test_the_choice_prefers_the_source_that_pays():
     assert fresh.choose([st2], prop, fake_high_later, torch.tensor([True]), 6).use_match.tolist() == [False]
 
 
-def test_generate_and_eval_take_match(tiny_dir, tmp_path):
+def test_generate_and_eval_take_match(tiny_dir, tmp_path):  # noqa: F811
     draft = tmp_path / "draft"
     assert invoke("init-draft", "--target", tiny_dir, "--out", draft, "--layers", "1", "--block-size", "4",
                   "--num-aux", "2").exit_code == 0
