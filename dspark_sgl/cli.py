@@ -367,6 +367,7 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
+    match: MATCH = False,
     host: str = "127.0.0.1",
     port: int = 30000,
     python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
@@ -379,7 +380,7 @@ def serve(
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
         cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype, draft_root=draft_root)
+                          draft_dtype=draft_dtype, draft_root=draft_root, match=match)
         if python is not None:
             cfg.python = python
         cmd, env = prepare(cfg)

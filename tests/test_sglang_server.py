@@ -126,6 +126,27 @@ def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain)
     assert state["avg_spec_accept_length"] > 1.2
 
 
+def test_the_match_hybrid_is_lossless_and_switched_per_request(dspark, prompt_ids, plain):
+    """custom_params {"dspark_match": true} turns the hybrid on for that request alone (the server flag `dspark serve
+    --match` sets the default): each step verifies the draft's block or a match from the request's own text. Output
+    stays identical to plain decoding, and /server_info counts the steps that verified a match."""
+    def counters():
+        return dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]["match"]
+
+    before = counters()
+    assert before["default"] is False
+    outs = dspark.generate(prompt_ids, MAX_NEW, custom_params={"dspark_match": True})  # 24 concurrent
+    assert [o["output_ids"] for o in outs] == plain["batched"]
+    after = counters()
+    used = after["steps"]["match"] - before["steps"]["match"]
+    print(f"hybrid, 24 concurrent: {used} request-steps verified a match, accepted "
+          f"{after['accepted']['match'] - before['accepted']['match']} of their drafts")
+    assert used > 0 and after["accepted"]["match"] > before["accepted"]["match"], (before, after)
+    single = dspark.generate(prompt_ids[:1], MAX_NEW, custom_params={"dspark_match": True})[0]["output_ids"]
+    assert single == plain["single"][0]
+    assert counters()["steps"]["match"] >= after["steps"]["match"]
+
+
 # A fixed SPS table for the schedule test: flat up to 16 verify tokens per step, then 1000x slower. The worker's verify
 # pads every request to one width, so a step of R requests verifies the widest window with R x width <= 16: width 2
 # (anchor + 1 draft) at 8 requests, whole windows for 2 or fewer, whatever the box's own speed.

@@ -191,6 +191,16 @@ class VerifyPlanner:
         conf = apply_sts(conf_logits.float(), self._temps(conf_logits.device))
         return schedule(conf, self.sps, "confidence", padded=True)  # the worker's verify pads to the longest row
 
+    def calibrated(self, conf_logits: Tensor) -> Tensor:
+        """The STS-calibrated confidences [B, γ] of raw confidence logits."""
+        return apply_sts(conf_logits.float(), self._temps(conf_logits.device))
+
+    def lengths_from_conf(self, conf: Tensor, batch_size: int, device) -> Tensor:
+        """verify_lengths from calibrated confidences (the hybrid's rows mix the draft's and a match's)."""
+        if self.policy == "static" or self.sps is None:
+            return torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
+        return schedule(conf, self.sps, "confidence", padded=True)
+
     def record(self, lengths: Tensor, width: int, accepted: Tensor) -> None:
         self.steps += 1
         self.requests += lengths.numel()

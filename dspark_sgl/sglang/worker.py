@@ -48,12 +48,15 @@ from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
+from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
 from dspark_sgl.speculative.sps import profile_sps
 from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
 DRAFT_DTYPE_KEY = "dspark_draft_dtype"  # in --json-model-override-args; `dspark serve --draft-dtype` sets it
+MATCH_KEY = "dspark_match"  # likewise (`dspark serve --match`): the hybrid's default; a request's custom_params may
+# carry the same key to switch it for that request alone
 
 
 def draft_dtype(target_dtype: torch.dtype, device) -> torch.dtype:
@@ -116,6 +119,10 @@ class DSparkWorker(BaseSpecWorker):
         self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context, self.ranks)
         self.traffic = TrafficRecorder.from_server_args()
+        self.match_default = bool(override_arg(MATCH_KEY, False))
+        self.matcher = MatchChooser(MatchConfig())
+        self.match_states: dict[str, MatchState] = {}
+        self._match_pending: dict[str, tuple[bool, int, int]] = {}  # rid -> (used the match, key, limit), last step
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
             "%s verify schedule, draft dtype %s",
@@ -156,6 +163,7 @@ class DSparkWorker(BaseSpecWorker):
         info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
         info["pools"] = self.pool_counts()
+        info["match"] = {"default": self.match_default, **self.matcher.counters.to_dict()}
         if self.traffic is not None:
             self.traffic.sweep()
             info["traffic"] = self.traffic.info()
@@ -174,6 +182,52 @@ class DSparkWorker(BaseSpecWorker):
     def clear_info_records(self) -> None:
         self.planner.clear()
         self.times.clear()
+        self.matcher.counters.clear()
+
+    # ---- the hybrid: a match from the request's own text (speculative/match.py) ---------------------------------
+    def _match_on(self, req) -> bool:
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        return bool(custom.get(MATCH_KEY, self.match_default))
+
+    def _match_states(self, reqs, lens_cpu) -> list[MatchState | None] | None:
+        """Each request's match index, caught up with the tokens SGLang committed since its last step (host lists:
+        origin_input_ids + output_ids, the anchor included), and that step's outcome recorded (its accepted count is
+        the growth minus the bonus). None for a row whose host text is not at its anchor (then it verifies the draft),
+        or for every row when no request asks for the match."""
+        on = [self._match_on(r) for r in reqs]
+        if not any(on):
+            return None
+        states, seen = [], {}
+        for r, use, n_kv in zip(reqs, on, lens_cpu.tolist(), strict=True):
+            st = self.match_states.get(r.rid)
+            text_len = len(r.origin_input_ids) + len(r.output_ids)
+            if st is None:
+                st = self.matcher.new_state(list(r.origin_input_ids) + list(r.output_ids))
+            else:
+                grown = text_len - len(st.index)
+                st.index.extend(r.output_ids[len(r.output_ids) - grown:] if grown > 0 else ())
+                last = self._match_pending.pop(r.rid, None)
+                if last is not None and grown > 0:
+                    self.matcher.record_one(st, *last, grown - 1)
+            seen[r.rid] = st
+            states.append(st if use and len(st.index) == n_kv + 1 else None)
+        self.match_states = seen  # requests that left the batch drop their index (rebuilt if they come back)
+        return states
+
+    def _choose(self, reqs, lens_cpu, prop, rows):
+        """The hybrid's choice for this step, or (prop, None) when it is off for every row."""
+        states = self._match_states(reqs, lens_cpu)
+        if states is None:
+            return prop, None, None
+        conf = None if prop.conf_logits is None else self.planner.calibrated(prop.conf_logits)
+        choice = self.matcher.choose(states, prop, conf, rows.greedy.cpu(), self.model_runner.model_config.vocab_size)
+        return choice.proposal, choice, states
+
+    def _match_record(self, reqs, choice, width: int) -> None:
+        """Remember each row's source for the next step, which reads its accepted count from the host text."""
+        for r, use, key, cap in zip(reqs, choice.use_match.tolist(), choice.key.tolist(), choice.cap.tolist(),
+                                    strict=True):
+            self._match_pending[r.rid] = (use, key, min(cap, width - 1))
 
     def block_accept_estimate_log_suffix(self):
         return None
@@ -277,13 +331,17 @@ class DSparkWorker(BaseSpecWorker):
         h = self.draft.forward_step(anchor, ctx)
         self.times.mark("draft")
         prop = propose(self.draft, h, anchor, rows, noise)
+        prop, choice, _ = self._choose(batch.reqs, lens_cpu, prop, rows)
         self.times.mark("rollout")
 
         if self.planner.needs_profile(bs):
             with self._hybrid_preserved(batch):  # extra verifies must not move a hybrid's recurrent state
                 self._profile_sps(batch, draft_input, torch.cat((anchor[:, None], prop.tokens), 1))
         self.times.mark("probe")
-        lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
+        if choice is not None and choice.conf is not None:  # the width rule sees the chosen proposals' survival
+            lengths = self.planner.lengths_from_conf(choice.conf, bs, self.device)
+        else:
+            lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         key = tuple(r.rid for r in batch.reqs)
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
             lengths, w = torch.full_like(lengths, W), W
@@ -307,6 +365,9 @@ class DSparkWorker(BaseSpecWorker):
                                      longest)
         rule = "block" if self.block_verification else "rejection"
         limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
+        if choice is not None:  # a match row accepts at most its k continuation tokens
+            limit = torch.minimum(limit, choice.cap.to(limit.device))
+            self._match_record(batch.reqs, choice, w)
         acc = accept_rows(prop, logits, rows, limit, noise, rule)
         c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
         self.planner.record(lengths, w, c)

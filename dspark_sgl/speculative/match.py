@@ -217,18 +217,19 @@ class MatchChooser:
     def new_state(self, tokens: Sequence[int] = ()) -> MatchState:
         return MatchState(MatchIndex(self.cfg, tokens))
 
-    def _rate(self, state: MatchState, key: int) -> float:
+    def _rate(self, state: MatchState | None, key: int) -> float:
         glob = self.rates.get(key, _Rate())
-        return state.rates.get(key, _Rate()).rate(glob, self.cfg.prior)
+        return (state.rates.get(key, _Rate()) if state is not None else _Rate()).rate(glob, self.cfg.prior)
 
-    def propose(self, states: Sequence[MatchState], gamma: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    def propose(self, states: Sequence[MatchState | None], gamma: int, device) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [B, γ] long, continuation length k [B] long, match length n [B] long) on `device`. Rows with k < γ
-        repeat their last token (the row's verify limit stops at k); rows with no match hold zeros and k = n = 0."""
+        repeat their last token (the row's verify limit stops at k); rows with no match (or no state: the hybrid is
+        off for that row) hold zeros and k = n = 0."""
         toks = torch.zeros(len(states), gamma, dtype=torch.long)
         k = torch.zeros(len(states), dtype=torch.long)
         n = torch.zeros(len(states), dtype=torch.long)
         for b, st in enumerate(states):
-            cont, length = st.index.lookup(gamma)
+            cont, length = st.index.lookup(gamma) if st is not None else ([], 0)
             if cont:
                 toks[b] = torch.tensor(cont + [cont[-1]] * (gamma - len(cont)))
                 k[b], n[b] = len(cont), length
@@ -236,8 +237,7 @@ class MatchChooser:
 
     def match_survival(self, states: Sequence[MatchState], k: Tensor, n: Tensor, gamma: int) -> Tensor:
         """[B, γ] float64 survival of the match rows: a^j for j <= k, 0 beyond (a by request and match length)."""
-        a = torch.tensor([self._rate(st, int(m)) if int(m) > 0 else 0.0 for st, m in zip(states, n.tolist(),
-                                                                                        strict=True)],
+        a = torch.tensor([self._rate(st, m) if m > 0 else 0.0 for st, m in zip(states, n.tolist(), strict=True)],
                          dtype=torch.float64)
         j = torch.arange(1, gamma + 1, dtype=torch.float64)
         return torch.where(j[None] <= k.cpu()[:, None], a[:, None] ** j[None], 0.0)
@@ -249,7 +249,7 @@ class MatchChooser:
         request's running rate of the draft, a^j."""
         j = torch.arange(1, gamma + 1, dtype=torch.float64)
         if conf is None:
-            a = torch.tensor([self._rate(st, 0) for st in states], dtype=torch.float64)
+            a = torch.tensor([self._rate(st, 0) if st is not None else 0.0 for st in states], dtype=torch.float64)
             return a[:, None] ** j[None]
         c = conf.detach().double().cpu().nan_to_num(0.0).clamp(0.0, 1.0)
         full = c.cumprod(-1)
@@ -276,15 +276,19 @@ class MatchChooser:
 
     def record(self, states: Sequence[MatchState], choice: Choice, limit: Sequence[int], accepted: Sequence[int]
                ) -> None:
-        """After the verify: what each row's proposal achieved (limit: the drafts it could accept, its cap included),
-        into the request's and the engine-wide rates of its source (match length, or 0 for the draft) and the
-        counters. Host lists: the engines read them where they already are on the host."""
+        """After the verify: what each row's proposal achieved (limit: the drafts it could accept, its cap included).
+        Host lists: the engines read them where they already are on the host."""
         for st, use, key, L, c in zip(states, choice.use_match.tolist(), choice.key.tolist(), limit, accepted,
                                       strict=True):
-            tested = c + 1 if c < L else c
-            for rates in (st.rates, self.rates):
-                rates.setdefault(key, _Rate()).add(c, tested)
-            self.counters.add(use, c)
+            self.record_one(st, use, key, L, c)
+
+    def record_one(self, state: MatchState | None, use: bool, key: int, limit: int, accepted: int) -> None:
+        """One row's outcome into the request's and the engine-wide rates of its source (the match length, or 0 for
+        the draft) and the counters; tested = accepted, plus one where the row stopped at a rejection."""
+        tested = accepted + 1 if accepted < limit else accepted
+        for rates in (() if state is None else (state.rates,)) + (self.rates,):
+            rates.setdefault(key, _Rate()).add(accepted, tested)
+        self.counters.add(use, accepted)
 
 
 @dataclass
