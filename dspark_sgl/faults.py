@@ -34,6 +34,10 @@ The sites (docs/testing.md has the table of which test catches which):
                       ranks 1+ gets other weights (a rank that drafts with another seed; worker.__init__)
     rank_agree      - under TP, a live draft update is not agreed across ranks: each rank swaps or refuses on its own
                       verdict (sglang/ranks.py RankSync.agree)
+    cost_no_draft   - the full-cost rule prices a speculative step without the draft's cost, so it speculates where
+                      that cannot pay (speculative/scheduler.py CostTable.spec_seconds, shared)
+    decide_peek     - the full-cost rule turns speculation off after drafting when this step's own survivals say it
+                      does not pay: whether x_1 is verified then depends on x_1 (scheduler.FullCostRule.widths, shared)
 
 Planted crashes, the same way: `DSPARK_SGL_CRASH=<site>[:<key>]` makes the process SIGKILL itself at that site (with
 a key, only where the site's key matches), leaving whatever a `kill -9` at the worst moment would leave. The fault
@@ -55,6 +59,7 @@ ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
+    "cost_no_draft", "decide_peek",
 })
 
 

@@ -27,6 +27,7 @@ from dspark_sgl.targets.hf import TargetKV
 from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
+from tests.test_fullcost_rule import check_decided_before_drafting, check_off_where_the_draft_cannot_pay
 from tests.test_match import hybrid_pvalue
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
@@ -187,6 +188,8 @@ ENGINE_CHECKS = {
     "top_p_boundary": lambda: check_chi2(top_p_pvalue),
     "seed": check_seed,
     "match_residual": lambda: check_chi2(lambda: hybrid_pvalue()[0]),  # the hybrid's served joint, 3,000 samples
+    "cost_no_draft": check_off_where_the_draft_cannot_pay,
+    "decide_peek": check_decided_before_drafting,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}

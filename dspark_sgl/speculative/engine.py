@@ -6,6 +6,9 @@
           -> emit accepted + bonus; the bonus is the next anchor
 
 With no draft the same loop runs plain one-token decoding through the same target adapter (the timing baseline).
+With a full-cost planner (scheduler.AdaptivePlanner) each step first decides, from earlier steps only, whether to
+speculate at all; an "off" step is that same plain decode, which also appends the anchor's draft context so the draft
+can resume at any later step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
+from dspark_sgl.speculative.scheduler import AdaptivePlanner
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
 from dspark_sgl.speculative.timing import PHASES, STEP_PHASES, StepTimer
 from dspark_sgl.targets.hf import HFTarget, TargetKV
@@ -164,10 +168,13 @@ class SpecEngine:
                 clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
                          max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live])
-            if self.draft is None:
-                anchor = self._plain_step(kv, anchor, step, clock)
+            n0 = [len(o.token_ids) for o in step.outs]
+            if self.draft is None or not self._speculate(len(live)):
+                anchor = self._plain_step(kv, anchor, step, clock, ctx)
             else:
                 anchor = self._spec_step(kv, ctx, anchor, step, clock)
+            for st, o, n in zip(step.matches or (), step.outs, n0, strict=False):  # the match index sees the text
+                st.index.extend(o.token_ids[n:])
             clock.lap("other")
             for k, v in clock.seconds.items():
                 self.step_s[k] += v
@@ -180,13 +187,23 @@ class SpecEngine:
             else None
         return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
 
-    def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer) -> Tensor:
+    def _speculate(self, batch_size: int) -> bool:
+        """The full-cost planner's decision for this step (earlier steps' data only); other planners always draft."""
+        return not isinstance(self.planner, AdaptivePlanner) or self.planner.decide(batch_size).speculate
+
+    def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer, ctx: DraftContextCache | None = None) -> Tensor:
+        """One plain decode step; with a draft context (an "off" step) the anchor's context is appended too."""
         clock.lap("other", anchor)
         out = kv.extend(anchor[:, None], logits="last")
         clock.lap("verify", out.logits)
         nxt = next_tokens(out.logits[:, -1], step.bs, step.history, step.noise(anchor.device))
         clock.lap("accept", nxt)
-        dt = clock.seconds["verify"] + clock.seconds["accept"]
+        if ctx is not None:
+            ctx.append(out.aux, torch.ones_like(nxt))
+            clock.lap("commit", ctx.lengths)
+        dt = clock.seconds["verify"] + clock.seconds["accept"] + clock.seconds["commit"]
+        if isinstance(self.planner, AdaptivePlanner):
+            self.planner.rule.observe_off(len(nxt), dt)
         for o in step.outs:
             o.stats.verify_s += dt
         self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new, step.history)
@@ -211,8 +228,9 @@ class SpecEngine:
         limit = None
         n_verify = gamma + 1
         if self.planner is not None:
-            lengths = self.planner(prop) if choice is None or choice.conf is None or \
-                not hasattr(self.planner, "from_conf") else self.planner.from_conf(choice.conf)
+            from_conf = getattr(self.planner, "from_conf", None)  # the confidence and full-cost planners
+            lengths = self.planner(prop) if choice is None or choice.conf is None or from_conf is None \
+                else from_conf(choice.conf)  # the width rule sees the chosen proposals' survival
             limit = (lengths - (2 if planted("verify_limit") else 1)).clamp(0, gamma)
         if choice is not None:  # a match row accepts at most its k continuation tokens
             limit = torch.minimum(limit if limit is not None else torch.full_like(choice.cap, gamma),
@@ -235,6 +253,11 @@ class SpecEngine:
             ctx.append(out.aux, keep)
         t3 = _sync_time(ctx.lengths)
         clock.lap("commit")
+        if isinstance(self.planner, AdaptivePlanner):
+            sec = clock.seconds
+            self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"],
+                                           sec["verify"] + sec["accept"] + sec["commit"], res.num_accepted,
+                                           self.planner.survival_factors(prop) if choice is None else choice.conf)
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
         draft_s, verify_s = sec["draft"] + sec["rollout"] + ctx_s, sec["verify"] + sec["accept"] + sec["commit"] - ctx_s
         emitted = []
@@ -255,18 +278,16 @@ class SpecEngine:
                     for k, v in timer.seconds.items():
                         o.stats.draft_split[k] += v + (ctx_s if k == "backbone" else 0.0)
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
-        before = [len(o.token_ids) for o in outs]
         self._emit(outs, emitted, step.stops, max_new, step.history)
-        for st, o, n0 in zip(step.matches or (), outs, before, strict=False):  # the match index sees the committed text
-            st.index.extend(o.token_ids[n0:])
         return res.bonus
 
     def _confidences(self, prop: Proposal) -> Tensor | None:
         """The draft's calibrated confidences [B, γ] (the planner's STS, else the draft's own), None without a head."""
         if prop.conf_logits is None:
             return None
-        if hasattr(self.planner, "calibrated"):
-            return self.planner.calibrated(prop.conf_logits)
+        calibrated = getattr(self.planner, "calibrated", None)
+        if calibrated is not None:
+            return calibrated(prop.conf_logits)
         from dspark_sgl.speculative.sts import apply_sts
 
         temps = self.draft.config.sts_temperatures

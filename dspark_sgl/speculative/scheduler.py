@@ -30,11 +30,14 @@ Everything is vectorised torch on the confidences' device, with no host sync.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from dspark_sgl.faults import planted
 from dspark_sgl.speculative.sps import SpsTable
 from dspark_sgl.speculative.sts import apply_sts
 
@@ -113,19 +116,36 @@ def padded_verify_lengths(conf: torch.Tensor, sps: SpsTable) -> torch.Tensor:
     SPS(R x width). conf [R, gamma] -> lengths [R] long in [1, gamma + 1], all equal, on conf's device."""
     _check_conf(conf)
     num_requests, gamma = conf.shape
-    dev = conf.device
+    widths = torch.arange(1, gamma + 2, device=conf.device)
+    return padded_lengths_at_rates(conf, sps.lookup(num_requests * widths))
+
+
+def padded_lengths_at_rates(conf: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """The padded rule on a given step rate per width: rate [gamma + 1] steps/s of a whole step whose verify is
+    width w = 1 .. gamma + 1 (SPS(R x w) for the verify-only rule; 1 / (draft + verify(w) + post(w)) seconds for the
+    full-cost rule). conf [R, gamma] survival factors -> lengths [R] long, all equal. Column d's decision reads
+    columns <= d only (the look-ahead bound of the module docstring)."""
+    _check_conf(conf)
+    num_requests, gamma = conf.shape
     if conf.numel() == 0:
-        return torch.ones(num_requests, dtype=torch.long, device=dev)
+        return torch.ones(num_requests, dtype=torch.long, device=conf.device)
     c = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
     column = c.cumprod(dim=1).sum(dim=0)  # A_d: expected accepted drafts in column d, non-increasing in d
+    return (padded_columns(column, num_requests, rate.to(torch.float64)) + 1).expand(num_requests).clone()
+
+
+def padded_columns(column: torch.Tensor, num_requests: int, rate: torch.Tensor) -> torch.Tensor:
+    """Draft columns admitted (0-dim long) from the columns' summed survivals A_d [gamma] (non-increasing) and the
+    step rate per width [gamma + 1]: column d joins while some wider window, counting columns d.. at A_d, could beat
+    Theta_d = tau_d x rate(d + 1)."""
+    gamma, dev = column.numel(), column.device
     tau = torch.cat([column.new_zeros(1), column.cumsum(0)]) + num_requests  # tau_d with d columns, d = 0..gamma
     d = torch.arange(gamma + 1, device=dev)
-    theta = tau * sps.lookup(num_requests * (d + 1))  # Theta_d
+    theta = tau * rate  # Theta_d
     m = d[None, 1:]  # wider windows m = d+1 .. gamma
-    bound = (tau[:gamma, None] + (m - d[:gamma, None]) * column[:, None]) * sps.lookup(num_requests * (m + 1))
+    bound = (tau[:gamma, None] + (m - d[:gamma, None]) * column[:, None]) * rate[None, 1:]
     bound = bound.masked_fill(m <= d[:gamma, None], float("-inf")).amax(dim=1)
-    admitted = (bound > theta[:gamma]).long().cumprod(0).sum()
-    return (admitted + 1).expand(num_requests).clone()
+    return (bound > theta[:gamma]).long().cumprod(0).sum()
 
 
 def static_verify_lengths(
@@ -195,3 +215,395 @@ class ConfidencePlanner:
         if key not in self._temps_on:
             self._temps_on[key] = torch.as_tensor(self.temperatures, dtype=torch.float32, device=device)
         return self._temps_on[key]
+
+
+# --- The full-cost rule: speculate this step or decode plainly, and how wide ------------------------------------
+#
+# A step that speculates pays the draft (block pass + rollout) and then a verify, acceptance and commit whose cost
+# grows with the width w; a plain ("off") step pays one target decode. With B requests the rates are
+#     spec(w) = B (1 + E[accepted | w]) / (T_draft(B) + T_after(B, w))      off = B / T_off(B)
+# (T_after = verify + accept + commit of a width-w step). Before drafting, from earlier steps only, the rule speculates
+# when max_w spec(w) beats off by `margin` (and keeps speculating down to margin - hysteresis; a state holds for at
+# least `dwell` decisions of its bucket). E[accepted | w] is the running per-position acceptance of earlier steps. After
+# drafting, the width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with this step's
+# per-request survivals corrected by the running ratio realized / predicted per position (the confidence head's
+# calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision reads
+# columns <= d only: exact at every temperature by the argument of the module docstring.
+
+Mode = Literal["auto", "on", "off"]
+MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The cost and acceptance bucket of a batch: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (the smallest at or above
+    batch_size; half-octave steps so that B = 9 does not borrow B = 16's costs)."""
+    if batch_size <= 4:
+        return max(int(batch_size), 1)
+    p = 1 << (int(batch_size) - 1).bit_length()
+    return p * 3 // 4 if batch_size <= p * 3 // 4 else p
+
+
+class RunningCost:
+    """Seconds of one kind of step: the median of the last `window` samples (one slow step moves nothing; a machine
+    that got busier moves it within `window` steps)."""
+
+    __slots__ = ("samples", "seen")
+
+    def __init__(self, samples: list[float] | tuple = (), window: int = 9, seen: int | None = None) -> None:
+        self.samples: deque[float] = deque((float(s) for s in samples), maxlen=window)
+        self.seen = len(self.samples) if seen is None else int(seen)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(float(seconds))
+        self.seen += 1
+
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
+@dataclass
+class BucketCosts:
+    """One batch bucket's step costs in seconds: `off` (a plain decode step), `draft` (block pass + rollout +
+    schedule) and `after[w - 1]` (verify + accept + commit of a width-w step, w = 1 .. W)."""
+
+    width: int
+    off: RunningCost = field(default_factory=RunningCost)
+    draft: RunningCost = field(default_factory=RunningCost)
+    after: list[RunningCost] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.after = self.after or [RunningCost() for _ in range(self.width)]
+
+    def after_seconds(self) -> list[float] | None:
+        """T_after(w) for w = 1 .. W from the widths measured: linear between measured widths; past the widest, the
+        slope between the narrowest and the widest (>= 0); below the narrowest, its value; with one measured width,
+        proportional to w above it (pessimistic: a wider verify is never priced as free). None: nothing measured."""
+        pts = [(w + 1, c.value()) for w, c in enumerate(self.after) if c.value() is not None]
+        if not pts:
+            return None
+        (w0, t0), (w1, t1) = pts[0], pts[-1]
+        slope = max((t1 - t0) / (w1 - w0), 0.0) if w1 > w0 else t1 / w1
+        out = []
+        for w in range(1, self.width + 1):
+            if w <= w0:
+                out.append(t0)
+            elif w >= w1:
+                out.append(t1 + slope * (w - w1))
+            else:
+                (wa, ta), (wb, tb) = next((a, b) for a, b in zip(pts, pts[1:], strict=False) if a[0] <= w <= b[0])
+                out.append(ta + (tb - ta) * (w - wa) / (wb - wa))
+        return out
+
+    def to_dict(self) -> dict:
+        return {"off": list(self.off.samples), "draft": list(self.draft.samples),
+                "after": [list(c.samples) for c in self.after]}
+
+    @classmethod
+    def from_dict(cls, width: int, d: dict) -> BucketCosts:
+        after = [RunningCost(s) for s in d["after"]]
+        if len(after) != width:
+            raise ValueError(f"cost table has {len(after)} widths, the verify window {width}")
+        return cls(width, RunningCost(d["off"]), RunningCost(d["draft"]), after)
+
+
+@dataclass
+class CostTable:
+    """Step costs per batch bucket x verify width (the 2-D table the full-cost rule prices with). Fed by profiles
+    taken before serving (`from_dict` of a saved table) and corrected online by every step's recorded timings."""
+
+    width: int  # W = gamma + 1
+    buckets: dict[int, BucketCosts] = field(default_factory=dict)
+
+    def bucket(self, batch_size: int) -> BucketCosts:
+        b = batch_bucket(batch_size)
+        if b not in self.buckets:
+            self.buckets[b] = BucketCosts(self.width)
+        return self.buckets[b]
+
+    def observe_off(self, batch_size: int, seconds: float) -> None:
+        """A plain step is also a width-1 verify without a draft: it prices T_after(1) as well."""
+        costs = self.bucket(batch_size)
+        costs.off.add(seconds)
+        costs.after[0].add(seconds)
+
+    def observe_spec(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
+        costs = self.bucket(batch_size)
+        costs.draft.add(draft_s)
+        costs.after[width - 1].add(after_s)
+
+    def spec_seconds(self, batch_size: int) -> list[float] | None:
+        """Seconds of a speculative step at each width w = 1 .. W (draft included), or None before it is measured."""
+        costs = self.buckets.get(batch_bucket(batch_size))
+        if costs is None or costs.draft.value() is None:
+            return None
+        after = costs.after_seconds()
+        if after is None:
+            return None
+        draft = 0.0 if planted("cost_no_draft") else costs.draft.value()
+        return [draft + t for t in after]
+
+    def off_seconds(self, batch_size: int) -> float | None:
+        costs = self.buckets.get(batch_bucket(batch_size))
+        return None if costs is None else costs.off.value()
+
+    def to_dict(self) -> dict:
+        return {"width": self.width, "buckets": {str(b): c.to_dict() for b, c in sorted(self.buckets.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostTable:
+        width = int(d["width"])
+        return cls(width, {int(b): BucketCosts.from_dict(width, c) for b, c in d["buckets"].items()})
+
+
+@dataclass
+class AcceptStats:
+    """Decayed per-position counts of earlier steps (position j = 1 .. gamma): `tested[j]` rows that verified draft j
+    having accepted j - 1, `passed[j]` rows that accepted draft j, and for the calibration `predicted[j]` the summed
+    confidence survival of the rows that verified draft j and `reached[j]` how many of them accepted it."""
+
+    gamma: int
+    decay: float = 0.995
+    tested: torch.Tensor = field(init=False)
+    passed: torch.Tensor = field(init=False)
+    predicted: torch.Tensor = field(init=False)
+    reached: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tested", "passed", "predicted", "reached"):
+            setattr(self, name, torch.zeros(self.gamma, dtype=torch.float64))
+
+    def record(self, width: int, accepted: torch.Tensor, survival: torch.Tensor | None) -> None:
+        """accepted [R] drafts each row accepted with width-w verify (w - 1 drafts verified); survival [R, gamma] the
+        confidence head's prediction for this step's rows, if any."""
+        c = accepted.detach().to("cpu", torch.float64)[:, None]
+        j = torch.arange(1, self.gamma + 1, dtype=torch.float64)[None]
+        verified = (j <= width - 1).to(torch.float64)
+        for name in ("tested", "passed", "predicted", "reached"):
+            getattr(self, name).mul_(self.decay)
+        self.tested += ((c >= j - 1) * verified).sum(0)
+        self.passed += ((c >= j) * verified).sum(0)
+        if survival is not None:
+            self.predicted += (survival.detach().to("cpu", torch.float64) * verified).sum(0)
+            self.reached += ((c >= j) * verified).sum(0)
+
+    def expected_accepted(self, prior: float = 0.5, strength: float = 2.0) -> torch.Tensor:
+        """E[accepted drafts | width w] for w = 1 .. gamma + 1 ([gamma + 1] float64): the products of the per-position
+        pass rates (a weak prior where a position was never tested)."""
+        rate = (self.passed + prior * strength) / (self.tested + strength)
+        return torch.cat([rate.new_zeros(1), rate.cumprod(0).cumsum(0)])
+
+    def calibration(self, strength: float = 4.0) -> torch.Tensor:
+        """Per position, realized / predicted survival ([gamma]; 1 where nothing is known yet)."""
+        return (self.reached + strength) / (self.predicted + strength)
+
+    @property
+    def samples(self) -> float:
+        return float(self.tested[0])
+
+
+@dataclass
+class RuleConfig:
+    """The full-cost rule's knobs (see `FullCostRule`)."""
+
+    margin: float = 0.05  # speculate when its expected tokens/s beat a plain step's by this fraction ...
+    hysteresis: float = 0.05  # ... and keep speculating until they fall below 1 + margin - hysteresis of it
+    dwell: int = 8  # decisions a bucket keeps its state before it may switch
+    explore_every: int = 64  # every n-th decision of a bucket runs the other arm once, to keep its cost fresh
+    cold_samples: int = 3  # steps of each arm a bucket times before the rule decides (spec first)
+    max_batch: int | None = None  # operator cap: larger batches never speculate
+    mode: Mode = "auto"  # "on": always speculate (tests, fixed-schedule benchmarks); "off": never
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown speculation mode {self.mode!r}; expected one of {MODES}")
+        if self.margin < 0 or self.hysteresis < 0 or self.dwell < 1 or self.explore_every < 0 or self.cold_samples < 0:
+            raise ValueError(f"bad rule settings {self}")
+
+
+@dataclass
+class Decision:
+    speculate: bool
+    why: str  # "rule", "cold", "explore", "cap", "forced"
+    predicted: float = 0.0  # expected tokens per request of the step (1 + E[accepted]); 1 when off
+
+
+@dataclass
+class _BucketState:
+    on: bool | None = None  # None until the rule first prices both arms: then it takes the rule's choice at once
+    since: int = 0  # decisions since the last switch
+    decisions: int = 0
+    speculated: int = 0
+
+
+@dataclass
+class FullCostRule:
+    """Speculate or not (before drafting) and how wide (after drafting), by one full-cost objective; shared by the
+    reference engine and the SGLang worker. Integration:
+
+        d = rule.decide(B)                            # earlier steps' data only
+        if d.speculate:
+            draft ...; lengths = rule.widths(survival_factors)      # [R, gamma] per-request survival factors, any
+            verify/accept ...                                        # proposal (DSpark head, n-gram, ...)
+            rule.observe_spec(B, width, draft_s, after_s, accepted, survival)
+        else:
+            plain step ...; rule.observe_off(B, seconds)
+
+    `widths` takes per-request conditional survival factors c[r, j] (survival = cumprod); a proposer without a
+    confidence head passes its own (e.g. a constant per position): the calibration learns the rest."""
+
+    gamma: int
+    costs: CostTable | None = None
+    config: RuleConfig = field(default_factory=RuleConfig)
+    learn_costs: bool = True  # False: the table is fixed (tests, a trusted offline profile)
+    accept: dict[int, AcceptStats] = field(default_factory=dict)
+    overall: AcceptStats = field(init=False)
+    _state: dict[int, _BucketState] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.costs = self.costs or CostTable(self.gamma + 1)
+        if self.costs.width != self.gamma + 1:
+            raise ValueError(f"cost table width {self.costs.width} but the verify window is {self.gamma + 1}")
+        self.overall = AcceptStats(self.gamma)
+
+    # -- before drafting ---------------------------------------------------------------------------------------
+    def rates(self, batch_size: int) -> tuple[list[float], float] | None:
+        """(expected tokens/s of a speculative step at each width w = 1 .. W, tokens/s of a plain step), or None while
+        either arm of the bucket is unmeasured."""
+        spec_s, off_s = self.costs.spec_seconds(batch_size), self.costs.off_seconds(batch_size)
+        if spec_s is None or off_s is None:
+            return None
+        tokens = (1.0 + self._stats(batch_size).expected_accepted()) * batch_size
+        return [float(t) / s for t, s in zip(tokens, spec_s, strict=True)], batch_size / off_s
+
+    def decide(self, batch_size: int) -> Decision:
+        """Speculate this step or not, from earlier steps' data only (costs, acceptance, this bucket's counters)."""
+        st = self._state.setdefault(batch_bucket(batch_size), _BucketState())
+        st.decisions += 1
+        decision = self._decide(batch_size, st)
+        st.speculated += decision.speculate
+        return decision
+
+    def _decide(self, batch_size: int, st: _BucketState) -> Decision:
+        cfg = self.config
+        if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch):
+            return Decision(False, "cap" if cfg.mode == "auto" else "forced", 1.0)
+        if cfg.mode == "on":
+            return Decision(True, "forced", self._predicted(batch_size))
+        costs = self.costs.buckets.get(batch_bucket(batch_size))
+        if costs is None or costs.draft.seen < cfg.cold_samples:
+            return Decision(True, "cold", self._predicted(batch_size))
+        if costs.off.seen < cfg.cold_samples:
+            return Decision(False, "cold", 1.0)
+        rates = self.rates(batch_size)
+        if rates is not None:
+            ratio = max(rates[0]) / rates[1]
+            want = ratio > 1 + cfg.margin - (cfg.hysteresis if st.on else 0.0)
+            if st.on is None or (want != st.on and st.since >= cfg.dwell):
+                st.on, st.since = want, 0
+        st.since += 1
+        arm, why = bool(st.on), "rule"
+        if cfg.explore_every and st.decisions % cfg.explore_every == 0:
+            arm, why = not arm, "explore"
+        return Decision(arm, why, self._predicted(batch_size) if arm else 1.0)
+
+    # -- after drafting ----------------------------------------------------------------------------------------
+    def widths(self, conf: torch.Tensor) -> torch.Tensor:
+        """Verify lengths [R] (one width for all rows: a padded verify) from this step's survival factors conf
+        [R, gamma], priced at the full cost. Until the bucket's costs are measured: the whole window."""
+        _check_conf(conf)
+        num_requests, gamma = conf.shape
+        spec_s = self.costs.spec_seconds(num_requests)
+        if spec_s is None or conf.numel() == 0:
+            return static_verify_lengths(num_requests, gamma, conf.device)
+        survival = self.calibrated_survival(conf)
+        rate = 1.0 / torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
+        if planted("decide_peek"):  # turns speculation off after reading this step's drafts' survivals
+            off_s = self.costs.off_seconds(num_requests)
+            tau = num_requests + torch.cat([survival.new_zeros(1), survival.sum(0).cumsum(0)])
+            if off_s is not None and float((tau * rate).max()) <= num_requests / off_s:
+                return torch.ones(num_requests, dtype=torch.long, device=conf.device)
+        columns = padded_columns(survival.sum(0), num_requests, rate)
+        return (columns + 1).expand(num_requests).clone()
+
+    def calibrated_survival(self, conf: torch.Tensor) -> torch.Tensor:
+        """Survival [R, gamma] = cumprod(conf) x the running realized/predicted ratio per position, kept non-increasing
+        along the row (column j reads columns <= j only)."""
+        c = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+        factor = self._stats(conf.shape[0]).calibration().to(c.device)
+        return (c.cumprod(1) * factor).clamp(0.0, 1.0).cummin(1).values
+
+    # -- after the step ----------------------------------------------------------------------------------------
+    def observe_off(self, batch_size: int, seconds: float) -> None:
+        if self.learn_costs:
+            self.costs.observe_off(batch_size, seconds)
+
+    def observe_spec(self, batch_size: int, width: int, draft_s: float | None, after_s: float | None,
+                     accepted: torch.Tensor, conf: torch.Tensor | None = None) -> None:
+        """One speculative step: its timings (None: not known yet, e.g. CUDA events still running; pass them later to
+        `observe_spec_costs`), the accepted drafts per row and the raw survival factors it was scheduled with."""
+        if self.learn_costs and draft_s is not None and after_s is not None:
+            self.costs.observe_spec(batch_size, width, draft_s, after_s)
+        survival = None
+        if conf is not None and conf.numel():
+            survival = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0).cumprod(1)
+        for stats in (self.overall, self.accept.setdefault(batch_bucket(batch_size), AcceptStats(self.gamma))):
+            stats.record(width, accepted, survival)
+
+    def info(self) -> dict:
+        """Per bucket: predicted rates, the state, and the costs (what /server_info shows)."""
+        out = {}
+        for b in sorted(set(self.costs.buckets) | set(self._state)):
+            rates = self.rates(b)
+            st = self._state.get(b, _BucketState())
+            spec_s, off_s = self.costs.spec_seconds(b), self.costs.off_seconds(b)
+            out[str(b)] = {
+                "on": st.on, "decisions": st.decisions, "speculated": st.speculated,
+                "spec_ms_by_width": None if spec_s is None else [round(s * 1e3, 3) for s in spec_s],
+                "off_ms": None if off_s is None else round(off_s * 1e3, 3),
+                "best_spec_over_off": None if rates is None else round(max(rates[0]) / rates[1], 4),
+                "expected_accepted_by_width": [round(float(x), 4) for x in self._stats(b).expected_accepted()],
+            }
+        return out
+
+    def _stats(self, batch_size: int) -> AcceptStats:
+        """The bucket's acceptance once it has 16 tested rows, else the server's overall."""
+        stats = self.accept.get(batch_bucket(batch_size))
+        return stats if stats is not None and stats.samples >= 16 else self.overall
+
+    def _predicted(self, batch_size: int) -> float:
+        """Expected tokens per request of a speculative step at the width the rates favour (full window if unknown)."""
+        expected = self._stats(batch_size).expected_accepted()
+        rates = self.rates(batch_size)
+        w = self.gamma + 1 if rates is None else max(range(len(rates[0])), key=rates[0].__getitem__) + 1
+        return 1.0 + float(expected[w - 1])
+
+
+@dataclass
+class AdaptivePlanner:
+    """The reference engine's full-cost planner: `decide` before drafting, then Proposal -> verify lengths [B] (STS
+    temperatures on the confidence logits, then `FullCostRule.widths`). A draft without a confidence head verifies the
+    whole window when it speculates."""
+
+    rule: FullCostRule
+    temperatures: torch.Tensor | None = None
+
+    def decide(self, batch_size: int) -> Decision:
+        return self.rule.decide(batch_size)
+
+    def survival_factors(self, proposal: Proposal) -> torch.Tensor | None:
+        return None if proposal.conf_logits is None else self.calibrated(proposal.conf_logits)
+
+    def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """The STS-calibrated confidences [B, γ] of raw confidence logits."""
+        temps = None if self.temperatures is None else torch.as_tensor(self.temperatures, device=conf_logits.device)
+        return apply_sts(conf_logits.float(), temps)
+
+    def from_conf(self, conf: torch.Tensor) -> torch.Tensor:
+        """Verify lengths from survival factors of any proposer (the hybrid's rows: match.py)."""
+        return self.rule.widths(conf)
+
+    def __call__(self, proposal: Proposal) -> torch.Tensor:
+        conf = self.survival_factors(proposal)
+        if conf is None:
+            return static_verify_lengths(*proposal.tokens.shape, proposal.tokens.device)
+        return self.from_conf(conf)

@@ -1,0 +1,284 @@
+"""The full-cost rule (speculative/scheduler.py FullCostRule): speculate only where it pays against a plain step, with
+every cost counted; no flapping at a threshold; decided before drafting (lossless); the off step of the reference
+engine keeps the output and the draft context exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sgl.faults import plant
+from dspark_sgl.model import DSparkDraft
+from dspark_sgl.model.draft import DraftContextCache
+from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
+from dspark_sgl.speculative.markov import rollout
+from dspark_sgl.speculative.scheduler import (
+    AdaptivePlanner,
+    CostTable,
+    FullCostRule,
+    RuleConfig,
+    batch_bucket,
+)
+from dspark_sgl.targets import HFTarget
+from dspark_sgl.targets.hf import TargetKV
+from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
+from tests.test_engine import PROMPTS
+from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
+from tests.test_scheduler import chi_square_pvalue, simulate
+
+
+def table(gamma: int, off: float, draft: float, after: list[float], batch_size: int = 1) -> CostTable:
+    """A cost table with the buckets of batch sizes 1 .. batch_size measured alike: seconds of an off step, of the
+    draft, after(w) for w = 1 .. gamma+1."""
+    costs = CostTable(gamma + 1)
+    for bucket in {batch_bucket(n) for n in range(1, batch_size + 1)}:
+        b = costs.bucket(bucket)
+        b.off.add(off)
+        b.draft.add(draft)
+        for w, t in enumerate(after):
+            b.after[w].add(t)
+    return costs
+
+
+def rule_with(costs: CostTable, pass_rate: float, **config) -> FullCostRule:
+    gamma = costs.width - 1
+    rule = FullCostRule(gamma, costs, RuleConfig(**{"cold_samples": 0, "explore_every": 0, **config}),
+                        learn_costs=False)
+    rule.overall.tested.fill_(1000.0)  # 1000 rows tested every position, each passed at pass_rate
+    rule.overall.passed.fill_(1000.0 * pass_rate)
+    return rule
+
+
+GAMMA = 7
+AFTER = [0.010 + 0.001 * (w - 1) for w in range(1, GAMMA + 2)]  # a verify barely dearer than a plain step per width
+
+
+def test_bucket_grid():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 64)] == \
+        [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 16, 16, 24, 64]
+
+
+def check_off_where_the_draft_cannot_pay() -> tuple[bool, str]:
+    """A 30 ms draft in front of a ~10 ms verify, 60 % per-position acceptance (E[accepted] <= 1.4): a speculative
+    step commits < 2.4 tokens in >= 40 ms, a plain one 1 in 10 ms: the rule must stay off. The same acceptance with a
+    2 ms draft pays (2.4 tokens in 19 ms) and the rule must speculate."""
+    slow = rule_with(table(GAMMA, 0.010, 0.030, AFTER), 0.6)
+    fast = rule_with(table(GAMMA, 0.010, 0.002, AFTER), 0.6)
+    off = [slow.decide(1).speculate for _ in range(20)]
+    on = [fast.decide(1).speculate for _ in range(20)]
+    ok = not any(off) and all(on)
+    return ok, f"30 ms draft: speculated {sum(off)}/20; 2 ms draft: {sum(on)}/20"
+
+
+def test_off_where_speculation_cannot_pay_and_on_where_it_does():
+    ok, detail = check_off_where_the_draft_cannot_pay()
+    assert ok, detail
+    spec, off = rule_with(table(GAMMA, 0.010, 0.002, AFTER), 0.6).rates(1)
+    expected = sum(0.6**j for j in range(1, GAMMA + 1))  # at the full window
+    assert spec[-1] == pytest.approx((1 + expected) / (0.002 + AFTER[-1]), rel=2e-3) and off == pytest.approx(100.0)
+
+
+def test_operator_cap_and_modes():
+    rule = rule_with(table(GAMMA, 0.010, 0.002, AFTER, batch_size=8), 0.6, max_batch=4)
+    assert not rule.decide(8).speculate and rule.decide(8).why == "cap"
+    rule.config.max_batch = None
+    assert rule.decide(8).speculate
+    rule.config.mode = "off"
+    assert not rule.decide(8).speculate
+    slow = rule_with(table(GAMMA, 0.010, 0.030, AFTER), 0.6, mode="on")
+    assert slow.decide(1).speculate and slow.decide(1).why == "forced"
+    with pytest.raises(ValueError, match="unknown speculation mode"):
+        RuleConfig(mode="sometimes")
+
+
+WOBBLE = [1.01, 1.07, 1.03, 1.06, 1.005, 1.08, 1.02, 1.04]  # speculative over plain, step after step, around 1.05
+DIPS = [1.01, 1.07, 1.03, 1.06, 0.97, 1.08, 1.02, 1.04]  # the same with a real dip below 1 every 8th step
+
+
+def arms_under_wobble(rule: FullCostRule, wobble: list[float] = WOBBLE, steps: int = 200) -> list[bool]:
+    best = max(rule.rates(1)[0])
+    off_cost = rule.costs.buckets[1].off
+    arms = []
+    for step in range(steps):
+        off_cost.samples.clear()
+        off_cost.add(wobble[step % len(wobble)] / best)  # off rate = 1 / cost: spec / off = the wobble
+        arms.append(rule.decide(1).speculate)
+    return arms
+
+
+def run_lengths(arms: list[bool]) -> list[int]:
+    runs, n = [], 1
+    for a, b in zip(arms, arms[1:], strict=False):
+        if a != b:
+            runs.append(n)
+            n = 0
+        n += 1
+    return runs + [n]
+
+
+def test_no_flapping_at_the_threshold():
+    """Speculation worth 1.005x .. 1.08x a plain step, wobbling around the 1.05x switch-on threshold: the margin and
+    hysteresis switch it on once and keep it on; without hysteresis it flips every few steps. With real dips below
+    1x every 8th step, the dwell holds every state at least `dwell` decisions."""
+    rule = lambda **kw: rule_with(table(GAMMA, 0.010, 0.002, AFTER), 0.6, **kw)  # noqa: E731
+    assert run_lengths(arms_under_wobble(rule(dwell=1)))[1:] == [199]  # off at 1.01x, on from 1.07x on for good
+    naive = run_lengths(arms_under_wobble(rule(dwell=1, hysteresis=0.0)))
+    assert len(naive) > 60, naive
+    dips = run_lengths(arms_under_wobble(rule(dwell=8), DIPS))
+    assert len(dips) < len(run_lengths(arms_under_wobble(rule(dwell=1), DIPS))), dips
+    assert all(r >= 8 for r in dips[1:-1]), dips
+
+
+def test_cold_start_measures_both_arms_then_explores_rarely():
+    rule = FullCostRule(GAMMA, config=RuleConfig(cold_samples=3, explore_every=16))
+    arms, whys = [], []
+    for _ in range(64):
+        d = rule.decide(4)
+        arms.append(d.speculate)
+        whys.append(d.why)
+        if d.speculate:
+            rule.observe_spec(4, GAMMA + 1, 0.030, 0.012, torch.zeros(4, dtype=torch.long))
+        else:
+            rule.observe_off(4, 0.010)
+    assert arms[:6] == [True, True, True, False, False, False] and whys[:6] == ["cold"] * 6
+    # a 30 ms draft and nothing accepted: off from then on, but every 16th decision of the bucket explores
+    assert [i for i in range(6, 64) if arms[i]] == [15, 31, 47, 63] and {whys[i] for i in (15, 31)} == {"explore"}
+
+
+def test_costs_are_a_table_by_batch_and_width():
+    """B = 8 at width 2 and B = 16 at width 1 are different cells (the SPS table keyed both by 16 tokens); a width
+    never measured is interpolated between measured widths and never priced below the widest one past it."""
+    costs = CostTable(GAMMA + 1)
+    costs.observe_spec(8, 2, 0.002, 0.020)
+    costs.observe_off(16, 0.050)
+    costs.observe_spec(8, 8, 0.002, 0.044)
+    assert costs.spec_seconds(16) is None and costs.off_seconds(8) is None
+    spec8 = costs.spec_seconds(8)
+    assert spec8[1] == pytest.approx(0.022) and spec8[7] == pytest.approx(0.046)
+    assert spec8[4] == pytest.approx(0.002 + 0.020 + 0.024 * 3 / 6)
+    assert spec8[0] == pytest.approx(0.022)  # below the narrowest measured: its value
+    one = CostTable(GAMMA + 1)
+    one.observe_spec(2, 4, 0.001, 0.040)
+    assert one.spec_seconds(2)[7] == pytest.approx(0.001 + 0.080)  # one width measured: proportional above it
+    again = CostTable.from_dict(costs.to_dict())
+    assert again.spec_seconds(8) == spec8
+
+
+def test_acceptance_is_learnt_per_position_and_calibrates_the_head():
+    rule = FullCostRule(3)
+    for _ in range(200):  # rows accept 0, 1, 2, 3 drafts equally often at the full width
+        rule.observe_spec(4, 4, None, None, torch.tensor([0, 1, 2, 3]), torch.full((4, 3), 0.9))
+    expected = rule.overall.expected_accepted()
+    assert expected.tolist() == pytest.approx([0.0, 0.75, 1.25, 1.5], abs=0.01)
+    # the head said 0.9, 0.81, 0.73; realized 0.75, 0.5, 0.25: the calibrated survival follows the realized one
+    assert rule.calibrated_survival(torch.full((1, 3), 0.9))[0].tolist() == pytest.approx([0.75, 0.5, 0.25], abs=0.01)
+
+
+def test_width_decisions_read_no_later_column():
+    """After drafting: whether column d is verified must not depend on the survival factors of columns > d."""
+    gen = torch.Generator().manual_seed(4)
+    rule = rule_with(table(GAMMA, 0.010, 0.004, [0.010, 0.011, 0.013, 0.016, 0.020, 0.025, 0.031, 0.038],
+                           batch_size=4), 0.6)
+    for _ in range(40):  # a non-trivial calibration
+        rule.observe_spec(4, 8, None, None, torch.randint(0, 8, (4,), generator=gen), torch.rand(4, 7, generator=gen))
+    widths = set()
+    for _ in range(200):
+        conf = torch.rand(4, 7, generator=gen) ** 0.3
+        d = int(torch.randint(0, 7, (1,), generator=gen))
+        other = conf.clone()
+        other[:, d + 1:] = torch.rand(4, 6 - d, generator=gen)
+        lengths = rule.widths(conf)
+        widths.add(int(lengths[0]))
+        assert torch.equal(lengths >= d + 2, rule.widths(other) >= d + 2)
+    assert len(widths) >= 2  # the width really depends on the drafts
+
+
+# --- exactness: decided before drafting (the toy chain of tests/test_scheduler.py) --------------------------------
+# From anchor 2: c_1 = 0.5 and c_2 = G[x_1] (0.9, 0.1, 0.5). Costs: a plain step 1 s, a draft 0.7 s, any verify 1 s.
+# The exact rule verifies every column (a flat verify cost). The planted rule turns speculation off after drafting
+# when this step's survivals say the block does not pay, (1 + sum a) / 1.7 <= 1: exactly when x_1 = 1, so x_1 = 1 is
+# never tested and the first token is 1 with probability 0.125 instead of P(1) = 0.3.
+def toy_rule() -> FullCostRule:
+    return rule_with(table(3, 1.0, 0.7, [1.0] * 4, batch_size=1), 0.5, mode="on")
+
+
+def peek_pvalue() -> float:
+    rule = toy_rule()
+    anchors = torch.full((20000, 1), 2)
+    out, lengths = simulate(lambda conf, _sps: rule.widths(conf), anchors, seed=5)
+    return chi_square_pvalue(out, [2]), set(lengths.tolist())
+
+
+def check_decided_before_drafting() -> tuple[bool, str]:
+    p, lengths = peek_pvalue()
+    return p > 1e-3, f"chi-square p = {p:.3g}, verify lengths {sorted(lengths)}"
+
+
+def test_deciding_after_the_drafts_is_caught_by_the_distribution_test():
+    ok, detail = check_decided_before_drafting()
+    assert ok, detail
+    with plant("decide_peek"):
+        bad, planted_detail = check_decided_before_drafting()
+    assert not bad, planted_detail
+    assert "1]" in planted_detail or "1," in planted_detail  # the plant did turn steps off
+
+
+# --- the reference engine switching between off and on inside one request ---------------------------------------
+def alternating(gamma: int, batch_size: int) -> AdaptivePlanner:
+    """Speculation does not pay on this table (a 50 ms draft), and every 2nd decision of a bucket explores a
+    speculative step: off, on, off, on, ... (a batch that shrinks starts a new bucket: off again)."""
+    costs = table(gamma, 0.010, 0.050, [0.010] * (gamma + 1), batch_size=batch_size)
+    return AdaptivePlanner(rule_with(costs, 0.5, explore_every=2, dwell=1))
+
+
+def test_engine_switching_off_and_on_is_token_identical_at_t0():
+    target = HFTarget(tiny_llama(), [0, 2])
+    torch.manual_seed(1)
+    draft = DSparkDraft(draft_config_for(target, block_size=4))
+    ref = SpecEngine(target).generate(PROMPTS, 24)
+    planner = alternating(4, len(PROMPTS))
+    out = SpecEngine(target, draft, planner).generate(PROMPTS, 24)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    spec_steps = len(out[0].stats.accepted)
+    assert 0 < spec_steps and planner.rule._state[batch_bucket(4)].decisions > spec_steps  # both arms ran
+
+
+def check_off_steps_write_the_context() -> tuple[bool, str]:
+    """After off steps, the draft's confidence logits at each speculative step equal a recomputation from a draft
+    context built from scratch."""
+    target = HFTarget(tiny_llama(), [0, 2])
+    torch.manual_seed(1)
+    draft = DSparkDraft(draft_config_for(target, block_size=4))
+    prompt = PROMPTS[0]
+    o = SpecEngine(target, draft, alternating(4, 1)).generate([prompt], 16)[0]
+    worst, i = 0.0, 1  # the first step was an off step
+    for c, conf in zip(o.stats.accepted, o.stats.confidence, strict=True):  # off, on, off, on, ...
+        kv = TargetKV(target, [prompt + o.token_ids[:i]])
+        first = kv.prefill(logits="last")
+        ctx = DraftContextCache(draft, 1, target.device, draft.fc.weight.dtype)
+        ctx.append(first.aux, kv.lengths, start=kv.pad)
+        h = draft.forward_step(torch.tensor([o.token_ids[i]]), ctx)
+        ref = rollout(draft, h, torch.tensor([o.token_ids[i]])).conf_logits[0]
+        worst = max(worst, float((ref - torch.tensor(conf)).abs().max()))
+        i += c + 1 + 1  # this speculative step's tokens, then one off step's token
+    return worst < 1e-4 and len(o.stats.accepted) >= 3, f"max |Δ confidence logit| = {worst:.3g}"
+
+
+def test_off_steps_keep_the_draft_context_exact():
+    ok, detail = check_off_steps_write_the_context()
+    assert ok, detail
+
+
+def test_engine_switching_off_and_on_samples_the_target_distribution():
+    V = 6
+    model, target, draft = tiny_with_random_draft(V)
+    prompt, n = [1, 2, 3], 6000
+    exact = exact_three_token_distribution(model, prompt, 1.0, 1.0, V)
+    planner = alternating(draft.config.block_size, n)
+    out = SpecEngine(target, draft, planner).generate([prompt] * n, 3, SamplingConfig(temperature=1.0, seed=11))
+    seqs = torch.tensor([o.token_ids for o in out])
+    counts = torch.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3)
+    assert chi2_pvalue(counts, exact) > 1e-3
+    state = planner.rule._state[batch_bucket(n)]
+    assert state.decisions == 2 and state.speculated == 1  # an off step, then a speculative one
+    assert sum(sum(o.stats.accepted) for o in out) > 0.1 * n
