@@ -136,10 +136,28 @@ def test_t0_output_is_token_identical_to_plain_decoding_with_the_hybrid():
     counters = engine.matcher.counters.to_dict()
     assert counters["steps"]["match"] > 0 and counters["accepted"]["match"] > 0, counters
     assert sum(len(o.stats.from_match) for o in out) == sum(counters["steps"].values())
+    # under the full-cost rule switching off and on (issue 41): off steps feed the match index too (a less confident
+    # draft, so that the match is chosen on some of the fewer speculative steps)
+    from tests.test_fullcost_rule import alternating
+
+    with torch.no_grad():
+        draft.confidence_head.proj.bias -= 2.0
+    engine = SpecEngine(target, draft, alternating(4, len(REPEATS)), match=MatchConfig())
+    assert [o.token_ids for o in engine.generate(REPEATS, 24)] == [r.token_ids for r in ref]
+    assert engine.matcher.counters.steps["match"] > 0
+
+
+def full_cost_planner(gamma: int, batch_size: int):
+    """issue 41's full-cost rule on a table where speculation pays and a wider verify costs more: the width rule
+    trims by the chosen proposals' survival."""
+    from dspark_sgl.speculative.scheduler import AdaptivePlanner
+    from tests.test_fullcost_rule import rule_with, table
+
+    return AdaptivePlanner(rule_with(table(gamma, 0.05, 0.001, [0.010, 0.012, 0.02, 0.05], batch_size), 0.5))
 
 
 def hybrid_pvalue(n: int = 3000, seed: int = 7, acceptance: str = "rejection", top_p: float = 1.0,
-                  reduced: bool = False) -> tuple[float, float]:
+                  reduced: bool = False, full_cost: bool = False) -> tuple[float, float]:
     """(chi-square p of the served joint of 3 tokens vs the enumeration, share of request-steps that verified the
     match): the V = 6 target and random draft, a prompt whose suffix occurred before, the hybrid on. The confidence
     head's bias is lowered by 2 so that c_1 and the match's first estimate (0.5) compete: both kinds of row
@@ -156,7 +174,8 @@ def hybrid_pvalue(n: int = 3000, seed: int = 7, acceptance: str = "rejection", t
     with torch.no_grad():
         draft.confidence_head.proj.bias -= 2.0
     exact = exact_three_token_distribution(model, PROMPT_M, 1.0, top_p, V3)
-    engine = SpecEngine(target, draft, match=MatchConfig())
+    planner = full_cost_planner(draft.config.block_size, n) if full_cost else None
+    engine = SpecEngine(target, draft, planner, match=MatchConfig())
     out = engine.generate([PROMPT_M] * n, 3, SamplingConfig(temperature=1.0, top_p=top_p, acceptance=acceptance,
                                                             seed=seed))
     seqs = torch.tensor([o.token_ids for o in out])
@@ -164,9 +183,10 @@ def hybrid_pvalue(n: int = 3000, seed: int = 7, acceptance: str = "rejection", t
     return chi2_pvalue(counts, exact), engine.matcher.counters.to_dict()["match_share"]
 
 
-@pytest.mark.parametrize("acceptance,top_p,reduced", [("block", 0.8, False), ("rejection", 1.0, True)])
-def test_served_distribution_with_the_hybrid_is_the_targets(acceptance, top_p, reduced):
-    p, share = hybrid_pvalue(acceptance=acceptance, top_p=top_p, reduced=reduced)
+@pytest.mark.parametrize("acceptance,top_p,reduced,full_cost", [("block", 0.8, False, False),
+                                                                ("rejection", 1.0, True, True)])
+def test_served_distribution_with_the_hybrid_is_the_targets(acceptance, top_p, reduced, full_cost):
+    p, share = hybrid_pvalue(acceptance=acceptance, top_p=top_p, reduced=reduced, full_cost=full_cost)
     assert p > 1e-3
     assert 0.05 < share < 0.95, share  # both kinds of row were verified
 
