@@ -122,6 +122,7 @@ class DSparkWorker(BaseSpecWorker):
         self.match_default = bool(override_arg(MATCH_KEY, False))
         self.matcher = MatchChooser(MatchConfig())
         self.match_states: dict[str, MatchState] = {}
+        self._match_unsynced = 0  # request-steps whose host text was not at the anchor (verified the draft instead)
         self._match_pending: dict[str, tuple[bool, int, int]] = {}  # rid -> (used the match, key, limit), last step
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
@@ -163,7 +164,8 @@ class DSparkWorker(BaseSpecWorker):
         info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
         info["pools"] = self.pool_counts()
-        info["match"] = {"default": self.match_default, **self.matcher.counters.to_dict()}
+        info["match"] = {"default": self.match_default, "unsynced_rows": self._match_unsynced,
+                         **self.matcher.counters.to_dict()}
         if self.traffic is not None:
             self.traffic.sweep()
             info["traffic"] = self.traffic.info()
@@ -210,7 +212,9 @@ class DSparkWorker(BaseSpecWorker):
                 if last is not None and grown > 0:
                     self.matcher.record_one(st, *last, grown - 1)
             seen[r.rid] = st
-            states.append(st if use and len(st.index) == n_kv + 1 else None)
+            synced = len(st.index) == n_kv + 1
+            self._match_unsynced += use and not synced
+            states.append(st if use and synced else None)
         self.match_states = seen  # requests that left the batch drop their index (rebuilt if they come back)
         return states
 
