@@ -124,6 +124,7 @@ class DSparkWorker(BaseSpecWorker):
         self.match_states: dict[str, MatchState] = {}
         self._match_unsynced = 0  # request-steps whose host text was not at the anchor (verified the draft instead)
         self._match_pending: dict[str, tuple[bool, int, int]] = {}  # rid -> (used the match, key, limit), last step
+        self._match_tails: dict[str, list[int] | tuple] = {}  # rid -> its last step's committed tokens (or the result)
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
             "%s verify schedule, draft dtype %s",
@@ -192,31 +193,67 @@ class DSparkWorker(BaseSpecWorker):
         return bool(custom.get(MATCH_KEY, self.match_default))
 
     def _match_states(self, reqs, lens_cpu) -> list[MatchState | None] | None:
-        """Each request's match index, caught up with the tokens SGLang committed since its last step (host lists:
-        origin_input_ids + output_ids, the anchor included), and that step's outcome recorded (its accepted count is
-        the growth minus the bonus). None for a row whose host text is not at its anchor (then it verifies the draft),
-        or for every row when no request asks for the match."""
+        """Each request's match index, caught up with its text through this step's anchor, and its last step's outcome
+        recorded; None for a row whose text could not be completed (it verifies the draft), or for every row when no
+        request asks for the match. SGLang appends a step's tokens to req.output_ids only after the next step has
+        run, so the text is the host's origin_input_ids + output_ids followed by the tokens this worker committed in
+        the request's last step (`_match_keep_tails`); only the tokens past what the index holds are read."""
         on = [self._match_on(r) for r in reqs]
         if not any(on):
             return None
         states, seen = [], {}
         for r, use, n_kv in zip(reqs, on, lens_cpu.tolist(), strict=True):
-            st = self.match_states.get(r.rid)
-            text_len = len(r.origin_input_ids) + len(r.output_ids)
-            if st is None:
-                st = self.matcher.new_state(list(r.origin_input_ids) + list(r.output_ids))
-            else:
-                grown = text_len - len(st.index)
-                st.index.extend(r.output_ids[len(r.output_ids) - grown:] if grown > 0 else ())
-                last = self._match_pending.pop(r.rid, None)
-                if last is not None and grown > 0:
-                    self.matcher.record_one(st, *last, grown - 1)
+            st = self.match_states.get(r.rid) or self.matcher.new_state()
             seen[r.rid] = st
-            synced = len(st.index) == n_kv + 1
-            self._match_unsynced += use and not synced
+            tail = self._match_tail(r.rid)
+            last = self._match_pending.pop(r.rid, None)
+            if last is not None and tail:
+                self.matcher.record_one(st, *last, len(tail) - 1)  # the last step committed c + 1 tokens
+            text = n_kv + 1  # tokens through the anchor (which has no KV yet)
+            prompt, out = r.origin_input_ids, r.output_ids
+            host, tail_at = len(prompt) + len(out), text - len(tail or ())
+            if host >= tail_at and len(st.index) <= text:
+                st.index.extend([prompt[i] if i < len(prompt) else out[i - len(prompt)]
+                                 for i in range(len(st.index), min(host, text))])
+                st.index.extend((tail or [])[max(len(st.index), host) - tail_at:])
+            synced = len(st.index) == text
+            if use and not synced:
+                if self._match_unsynced < 3:
+                    logger.warning("dspark-sgl match: request %s text %d tokens on the host + %d of its last step, KV "
+                                   "%d: the anchor is not known, verifying the draft", r.rid, host, len(tail or ()),
+                                   n_kv)
+                self._match_unsynced += 1
             states.append(st if use and synced else None)
         self.match_states = seen  # requests that left the batch drop their index (rebuilt if they come back)
+        self._match_tails = {rid: self._match_tails[rid] for rid in seen if rid in self._match_tails}
         return states
+
+    def _match_tail(self, rid: str) -> list[int] | None:
+        """The tokens the request's last step committed (accepted drafts + bonus; after prefill, its first token)."""
+        src = self._match_tails.get(rid)
+        if src is None or isinstance(src, list):
+            return src
+        result, row, stride = src  # an accelerator: read SGLang's host copy of the result once it is done
+        if result.copy_done is not None and not result.copy_done.query():
+            return None
+        ids, acc = result.next_token_ids, result.accept_lens
+        if ids.device.type != "cpu" or (acc is not None and acc.device.type != "cpu"):
+            return None
+        return ids[row * stride : row * stride + (1 if acc is None or stride == 1 else int(acc[row]))].tolist()
+
+    def _match_keep_tails(self, reqs, result, stride: int) -> None:
+        """After a step: where each request's committed tokens are. On a CPU they are host memory and read now (no
+        sync); elsewhere the result is kept and read from its host copy at the request's next step."""
+        if not any(self._match_on(r) for r in reqs) or result.next_token_ids.numel() != len(reqs) * stride:
+            return
+        if not self.on_cpu:
+            for b, r in enumerate(reqs):
+                self._match_tails[r.rid] = (result, b, stride)
+            return
+        ids = result.next_token_ids.tolist()
+        acc = [1] * len(reqs) if result.accept_lens is None or stride == 1 else result.accept_lens.tolist()
+        for b, r in enumerate(reqs):
+            self._match_tails[r.rid] = ids[b * stride : b * stride + acc[b]]
 
     def _choose(self, reqs, lens_cpu, prop, rows):
         """The hybrid's choice for this step, or (prop, None) when it is off for every row."""
@@ -317,6 +354,7 @@ class DSparkWorker(BaseSpecWorker):
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
         if on_publish is not None:
             on_publish(out.new_seq_lens)
+        self._match_keep_tails(batch.reqs, out, 1)
         return out
 
     @torch.no_grad()
@@ -412,6 +450,8 @@ class DSparkWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
         self._last = (key, w, result)
+        if choice is not None:
+            self._match_keep_tails(batch.reqs, result, W)
         return result
 
     def _window(self, batch, draft_input, width: int):
