@@ -244,7 +244,7 @@ def main(
             m = r.get("match")
             table.add_row(res["data"], str(res["concurrency"]), r["method"], f"{r['tok_s']:.2f}",
                           f"{r['ratio']:.2f}x", acc, f"{r['identical']}/{r['prompts']}",
-                          "-" if not m else f"{m['match_share']:.0%}")
+                          "-" if not m or not sum(m["steps"].values()) else f"{m['match_share']:.0%}")
     Console().print(table)
     print_breakdown(results, plain)
     json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ ENGINE_CHECKS = {
     "penalty_drafts": lambda: check_chi2(penalty_pvalue),
     "top_p_boundary": lambda: check_chi2(top_p_pvalue),
     "seed": check_seed,
-    "match_residual": lambda: check_chi2(lambda: hybrid_pvalue()[0]),  # the hybrid's served joint, 3,000 samples
+    "match_residual": lambda: check_chi2(lambda: hybrid_pvalue()[0]),  # the hybrid's served joint, 2,000 samples
     "cost_no_draft": check_off_where_the_draft_cannot_pay,
     "decide_peek": check_decided_before_drafting,
 }

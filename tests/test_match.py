@@ -156,7 +156,7 @@ def full_cost_planner(gamma: int, batch_size: int):
     return AdaptivePlanner(rule_with(table(gamma, 0.05, 0.001, [0.010, 0.012, 0.02, 0.05], batch_size), 0.5))
 
 
-def hybrid_pvalue(n: int = 3000, seed: int = 7, acceptance: str = "rejection", top_p: float = 1.0,
+def hybrid_pvalue(n: int = 2000, seed: int = 7, acceptance: str = "rejection", top_p: float = 1.0,
                   reduced: bool = False, full_cost: bool = False) -> tuple[float, float]:
     """(chi-square p of the served joint of 3 tokens vs the enumeration, share of request-steps that verified the
     match): the V = 6 target and random draft, a prompt whose suffix occurred before, the hybrid on. The confidence
