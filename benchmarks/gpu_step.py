@@ -58,9 +58,9 @@ sys.path.insert(0, str(ROOT))  # the carried working tree, no install
 from dspark_sgl.config import DSparkConfig, default_target_layer_ids  # noqa: E402
 from dspark_sgl.kernels import accept as kaccept  # noqa: E402
 from dspark_sgl.kernels import markov_step as kmarkov  # noqa: E402
+from dspark_sgl.kernels.accept_reference import Acceptance, block_accept, greedy_accept, rejection_accept  # noqa: E402
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft, num_parameters  # noqa: E402
 from dspark_sgl.provenance import provenance  # noqa: E402
-from dspark_sgl.speculative.accept import Acceptance, block_accept, greedy_accept, rejection_accept  # noqa: E402
 from dspark_sgl.speculative.rows import accept_rows, propose, step_noise  # noqa: E402
 from dspark_sgl.speculative.target_dist import BatchSampling, RequestSampling  # noqa: E402
 

@@ -15,11 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark_sgl.config import ConfigError
+from dspark_sgl.kernels.accept_reference import ACCEPT_RULES
+from dspark_sgl.kernels.noise import sample
 from dspark_sgl.model import DSparkDraft
 from dspark_sgl.model.checkpoint import CheckpointError, load_draft
-from dspark_sgl.speculative.accept import ACCEPT_RULES
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
-from dspark_sgl.speculative.sampling import draft_probs, sample
+from dspark_sgl.speculative.sampling import draft_probs
 from dspark_sgl.targets import HFTarget
 from dspark_sgl.vocab import VocabError, choose_vocab, coverage, token_counts, vocab_from
 from tests.conftest import draft_config_for, tiny_draft_config, tiny_llama

@@ -50,9 +50,9 @@ def test_triton_kernel_matches_reference_in_interpreter():
 
 
 def test_accept_dispatch_on_cpu_is_the_reference():
-    """On CPU the dispatchers run dspark_sgl.speculative.accept itself (draft ids mapped through d2t first)."""
+    """On CPU the dispatchers run dspark_sgl.kernels.accept_reference itself (draft ids mapped through d2t first)."""
     from dspark_sgl.kernels.accept import block_accept_dispatch, greedy_accept_dispatch, rejection_accept_dispatch
-    from dspark_sgl.speculative.accept import block_accept, greedy_accept, rejection_accept
+    from dspark_sgl.kernels.accept_reference import block_accept, greedy_accept, rejection_accept
 
     g = torch.Generator().manual_seed(0)
     B, gamma, V = 3, 4, 60
@@ -82,7 +82,7 @@ def test_accept_dispatch_on_cpu_is_the_reference():
 
 ACCEPT_PRELUDE = r"""
 import torch
-from dspark_sgl.speculative.sampling import ACCEPT, Noise
+from dspark_sgl.kernels.noise import ACCEPT, Noise
 
 g = torch.Generator().manual_seed(0)
 
@@ -143,7 +143,7 @@ def check_rule(kernel, reference, x, q, p, lim, d2t, x_target, blocks, seeds):
 
 ACCEPT_CHECK = ACCEPT_PRELUDE + r"""
 from dspark_sgl.kernels.accept import greedy_accept_triton, rejection_accept_triton, rejection_prefix_triton
-from dspark_sgl.speculative.accept import greedy_accept, rejection_accept
+from dspark_sgl.kernels.accept_reference import greedy_accept, rejection_accept
 
 BLOCKS = (64, 256, 1024, 4096)
 
@@ -268,7 +268,7 @@ def test_accept_kernels_match_reference_in_interpreter():
 
 BLOCK_CHECK = ACCEPT_PRELUDE + r"""
 from dspark_sgl.kernels.accept import block_accept_triton, block_prefix_triton
-from dspark_sgl.speculative.accept import block_accept, greedy_accept
+from dspark_sgl.kernels.accept_reference import block_accept, greedy_accept
 
 
 def check_block(x, q, p, lim, d2t=None, x_target=None, blocks=(64,), seeds=range(3)):

@@ -9,9 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark_sgl.speculative.accept import ACCEPT_RULES, _residual
+from dspark_sgl.kernels.accept_reference import ACCEPT_RULES, _residual
+from dspark_sgl.kernels.noise import sample
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
-from dspark_sgl.speculative.sampling import sample, target_probs
+from dspark_sgl.speculative.sampling import target_probs
 from tests.conftest import tiny_with_random_draft
 
 
@@ -77,7 +78,7 @@ def test_a_wrong_residual_is_caught():
     q_rows = torch.softmax(torch.randn(gamma, V, generator=g) * 1.5, -1)
 
     def wrong(x, q, p, limit, gen):
-        import dspark_sgl.speculative.accept as acc
+        import dspark_sgl.kernels.accept_reference as acc
 
         original = acc._residual
         acc._residual = lambda p_, q_: p_ / p_.sum(-1, keepdim=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark_sgl.speculative.accept import ACCEPT_RULES
+from dspark_sgl.kernels.accept_reference import ACCEPT_RULES
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.scheduler import (
     ConfidencePlanner,

@@ -179,6 +179,20 @@ def test_cli_reads_the_target_and_draft_folders_it_is_given(tmp_path, capsys):
     assert p["total"] == hand_computed()["total"]
 
 
+def test_the_recipe_is_read_through_the_training_entry_point(tmp_path, capsys, monkeypatch):
+    """dspark_sgl never imports training: the recipe's draft section comes through the `dspark_sgl.recipes` entry
+    point. A bad recipe is still one `dry run:` line, and without the entry point the refusal says what to do."""
+    from dspark_sgl.sglang import plan as plan_module
+
+    missing = tmp_path / "missing.yaml"
+    assert plan_module.main(["--draft-recipe", str(missing), "--json"]) == 2
+    assert capsys.readouterr().err.strip() == f"dry run: recipe {missing} does not exist"
+    monkeypatch.setattr(plan_module, "entry_points", lambda **selection: ())
+    assert plan_module.main(["--json"]) == 2
+    err = capsys.readouterr().err
+    assert "no 'dspark_sgl.recipes' entry point" in err and "--speculative-draft-model-path" in err
+
+
 def test_one_rank_shares_the_target_head_and_embedding():
     p = plan(TINY_TARGET, tiny_draft(), Launch(**{**vars(TINY_LAUNCH), "tp": 1, "dcp": 1}))
     assert p["draft"]["replicated"]["gathered target lm_head"] == 0

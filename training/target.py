@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dspark_sgl.config import DSparkConfig, draft_config_for_target, read_target_config
+from dspark_sgl.config import ConfigError, DSparkConfig, draft_config_for_target, read_target_config
 from dspark_sgl.dtypes import resolve_dtype
 from dspark_sgl.model.checkpoint import CheckpointError, find_tensors
 from dspark_sgl.sglang.engine import EngineError
-from training.recipe import Recipe
+from training.recipe import Recipe, RecipeError, load_recipe
 
 
 def resolve_target_path(path: str) -> Path:
@@ -35,6 +35,16 @@ def target_config(recipe: Recipe) -> dict:
 def draft_config(recipe: Recipe, target: dict) -> DSparkConfig:
     """The recipe's draft section completed from, and validated against, the target."""
     return draft_config_for_target(target, **recipe.draft_dict())
+
+
+def recipe_draft_config(path: str | Path, target: dict) -> DSparkConfig:
+    """A recipe file's draft section sized for a target config dict: the `dspark_sgl.recipes` entry point through
+    which the serving dry run (dspark_sgl/sglang/plan.py) reads a recipe, since dspark_sgl never imports training.
+    A bad recipe is a ConfigError there, with the recipe's own message."""
+    try:
+        return draft_config(load_recipe(path), target)
+    except RecipeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_target_heads(path: Path, dtype: torch.dtype, device) -> tuple[nn.Embedding, nn.Linear]:

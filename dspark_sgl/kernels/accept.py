@@ -1,7 +1,8 @@
-"""Fused acceptance on CUDA: the greedy, rejection and block rules of dspark_sgl.speculative.accept as Triton kernels.
+"""Fused acceptance on CUDA: the greedy, rejection and block rules of dspark_sgl.kernels.accept_reference as Triton
+kernels.
 
-The torch functions in dspark_sgl.speculative.accept are the definitions; the CPU path runs them and the tests hold
-each kernel (under TRITON_INTERPRET=1) to equality with them. Each kernel is one program per request row:
+The torch functions in accept_reference.py are the definitions; the CPU path runs them and the tests hold each kernel
+(under TRITON_INTERPRET=1) to equality with them. Each kernel is one program per request row:
 
     greedy    - walks the verify rows j = 0, 1, ... computing argmax over V in BLOCK_V chunks and stops at the first
                 mismatch (or the limit), so a request that accepts c drafts reads c + 1 rows of logits, not γ + 1,
@@ -30,14 +31,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark_sgl.speculative.accept import (
+from dspark_sgl.kernels.accept_reference import (
     Acceptance,
     _normalised_residual,
     block_accept,
     greedy_accept,
     rejection_accept,
 )
-from dspark_sgl.speculative.sampling import ACCEPT, Noise, as_noise, sample
+from dspark_sgl.kernels.noise import ACCEPT, Noise, as_noise, sample
 
 try:  # Triton is optional: CPU installs and CI run the reference (and the kernels under TRITON_INTERPRET=1).
     import triton

@@ -22,6 +22,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STAND_IN_TARGET = ROOT / "configs" / "kimi-k3-target"  # K3's config.json is not in this project: see its _provenance
 DEFAULT_DRAFT_RECIPE = ROOT / "configs" / "kimi-k3-dspark.yaml"  # the RadixArk card's draft, the launch's default
 DEFAULT_CONTEXT = 131072
+RECIPE_READERS = "dspark_sgl.recipes"  # entry-point group: recipe path, target config dict -> DSparkConfig
 BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 ASSUMPTIONS = (
@@ -288,15 +290,24 @@ def _shown(path: str | Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
 
 
+def recipe_draft_config(recipe: str, target: dict) -> DSparkConfig:
+    """A training recipe's draft section sized for this target, read by the trainer's own code (the training dry
+    run's path from a recipe to a draft config), which the `training` package registers as the `dspark_sgl.recipes`
+    entry point: dspark_sgl never imports training (the CLI finds `dspark train` the same way)."""
+    found = entry_points(group=RECIPE_READERS, name="draft_config")
+    if not found:
+        raise ConfigError(f"no {RECIPE_READERS!r} entry point to read the recipe {recipe} with: install the project "
+                          "(`pip install -e .` registers the training package's), or give "
+                          "--speculative-draft-model-path a draft folder with a config.json")
+    return next(iter(found)).load()(recipe, target)
+
+
 def resolve_draft_config(launch: Launch, target: dict, recipe: str) -> tuple[DSparkConfig, str]:
     """The draft folder's config.json when it exists, else the recipe's draft section sized for this target."""
     if launch.draft_path and (Path(launch.draft_path) / "config.json").exists():
         return DSparkConfig.from_pretrained(launch.draft_path), f"{launch.draft_path}/config.json"
-    from training.recipe import load_recipe
-    from training.target import draft_config  # the training dry run's own path from a recipe to a draft config
-
     why = f"; {launch.draft_path} has no config.json here" if launch.draft_path else ""
-    return draft_config(load_recipe(recipe), target), f"{_shown(recipe)} (draft section{why})"
+    return recipe_draft_config(recipe, target), f"{_shown(recipe)} (draft section{why})"
 
 
 def resolve_target_config(launch: Launch) -> tuple[dict, str]:
@@ -473,14 +484,12 @@ def print_plan(p: dict, sources: dict, out=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.recipe import RecipeError
-
     launch, a = Launch.from_args(sys.argv[1:] if argv is None else argv)
     try:
         target, t_src = resolve_target_config(launch)
         draft_cfg, d_src = resolve_draft_config(launch, target, a.draft_recipe)
         p = plan(target, draft_cfg, launch)
-    except (ConfigError, RecipeError) as e:
+    except ConfigError as e:  # a bad recipe arrives as one too (training.target.recipe_draft_config)
         print(f"dry run: {e}", file=sys.stderr)
         return 2
     if a.json:

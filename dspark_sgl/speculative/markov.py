@@ -9,8 +9,9 @@ from torch import Tensor
 
 from dspark_sgl.faults import planted
 from dspark_sgl.kernels.markov_step import markov_step
+from dspark_sgl.kernels.noise import ROLLOUT, Noise, as_noise, sample_u
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.speculative.sampling import ROLLOUT, Noise, as_noise, draft_probs, sample_u
+from dspark_sgl.speculative.sampling import draft_probs
 from dspark_sgl.speculative.timing import StepTimer
 
 

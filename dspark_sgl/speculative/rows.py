@@ -15,10 +15,10 @@ from torch import Tensor
 
 from dspark_sgl.faults import planted
 from dspark_sgl.kernels.accept import block_accept_dispatch, greedy_accept_dispatch, rejection_accept_dispatch
+from dspark_sgl.kernels.accept_reference import Acceptance
+from dspark_sgl.kernels.noise import BONUS, Noise, sample, sample_u
 from dspark_sgl.model.draft import DSparkDraft
-from dspark_sgl.speculative.accept import Acceptance
 from dspark_sgl.speculative.markov import Proposal, rollout
-from dspark_sgl.speculative.sampling import BONUS, Noise, sample, sample_u
 from dspark_sgl.speculative.target_dist import (
     BatchSampling,
     OutputHistory,
@@ -29,7 +29,7 @@ from dspark_sgl.speculative.target_dist import (
 from dspark_sgl.speculative.timing import StepTimer
 
 # The acceptance rules as dispatched: the fused Triton kernels on CUDA (dspark_sgl.kernels.accept), the torch
-# definitions (dspark_sgl.speculative.accept) everywhere else, so the CPU path runs exactly the definitions.
+# definitions (dspark_sgl.kernels.accept_reference) everywhere else, so the CPU path runs exactly the definitions.
 SAMPLED_RULES = {"rejection": rejection_accept_dispatch, "block": block_accept_dispatch}
 
 

@@ -1,4 +1,5 @@
-"""Acceptance rules: which draft tokens survive verification, and the bonus token.
+"""Acceptance rules: which draft tokens survive verification, and the bonus token. These torch functions are the
+definitions; the fused kernels beside them (dspark_sgl.kernels.accept) are held equal to them.
 
 Notation: draft tokens x [B, γ]; target distributions p [B, γ+1, V] where row j is the target's distribution for the
 token after [anchor, x_1..x_j]; draft proposal distributions q [B, γ, V]. `limit` [B] caps how many drafts each
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_sgl.speculative.sampling import ACCEPT, Noise, as_noise, sample
+from dspark_sgl.kernels.noise import ACCEPT, Noise, as_noise, sample
 
 
 @dataclass
