@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from dspark_sgl.model import DSparkDraft
 from dspark_sgl.kernels.accept_reference import ACCEPT_RULES
+from dspark_sgl.model import DSparkDraft
 from dspark_sgl.speculative.engine import SamplingConfig, SpecEngine
 from dspark_sgl.speculative.markov import Proposal
 from dspark_sgl.speculative.match import (

@@ -15,8 +15,8 @@ from, so each step verifies whichever of the two blocks is expected to commit mo
                   build ONE Proposal whose rows are the draft's or the match's, record what the verify accepted
 
 Lossless. A match proposal is a deterministic function of the committed text, so it is a proposal with a one-hot q:
-the rules in kernels/accept_reference.py, unchanged, accept x with probability p(x) and otherwise draw the bonus from the
-residual norm(max(p - onehot(x), 0)) = p without x, renormalised (block verification likewise), with every sampling
+the rules in kernels/accept_reference.py, unchanged, accept x with probability p(x) and otherwise draw the bonus from
+the residual norm(max(p - onehot(x), 0)) = p without x, renormalised (block verification likewise), with every sampling
 parameter and the reduced vocabulary as for the draft (`hybrid_proposal` writes the rows as logits that are 0 at the
 token and -inf elsewhere, over the full vocabulary, so softmax(l / T) is that one-hot q at any T).
 Which proposal a row verifies may depend on anything except the random draws the verified proposal was made from:
