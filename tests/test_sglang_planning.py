@@ -12,7 +12,7 @@ from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.sglang.planning import VerifyPlanner, choose_policy, size_bucket, sps_cache_file
 from dspark_sgl.speculative.scheduler import schedule
 from dspark_sgl.speculative.sps import SpsTable
-from dspark_sgl.speculative.sts import apply_sts, save_sts
+from dspark_sgl.speculative.sts import apply_sts
 from tests.conftest import tiny_draft_config
 
 
@@ -40,110 +40,108 @@ def test_size_buckets():
     assert [size_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 48)] == [1, 2, 4, 4, 8, 8, 16, 64]
 
 
-def test_live_profile_fills_a_monotone_table_and_saves_it(tmp_path, monkeypatch):
+def feed(planner: VerifyPlanner, batch_size: int, off_ms: float, draft_ms: float, after_ms: dict[int, float],
+         repeats: int = 3) -> None:
+    """What StepTimes hands the planner after each step: phase seconds of off steps and speculative steps."""
+    for _ in range(repeats):
+        planner.observe_timing({"batch_size": batch_size, "speculate": False, "width": 1},
+                               {"decide": 0.0, "verify": off_ms / 1e3})
+        for w, ms in after_ms.items():
+            planner.observe_timing({"batch_size": batch_size, "speculate": True, "width": w},
+                                   {"draft": draft_ms / 1e3, "rollout": 0.0, "verify": ms / 1e3})
+
+
+def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
-    draft = DSparkDraft(tiny_draft_config(block_size=3))
-    path = tmp_path / "sps.json"
-    planner = VerifyPlanner.from_server_args(spec_args(sps=str(path)), draft)
-    assert planner.policy == "confidence" and planner.sps is None and planner.needs_profile(3)
-    # before any table exists the planner verifies everything (never guesses a flat table)
-    assert planner.verify_lengths(torch.zeros(2, 3), 2, "cpu").tolist() == [4, 4]
-
-    planner.add_profile(3, {1: 100.0, 2: 60.0, 3: 70.0, 4: 40.0})  # a measured bump at width 3
-    assert not planner.needs_profile(4) and planner.needs_profile(5)
-    saved = SpsTable.load(path)
-    assert saved.tokens == [3, 6, 9, 12] and saved.is_monotone()
-    assert saved.meta["raw_steps_per_s"] == [100.0, 60.0, 70.0, 40.0]
-
-    planner.add_profile(1, {1: 200.0, 2: 150.0, 3: 120.0, 4: 110.0})
-    assert SpsTable.load(path).tokens == [1, 2, 3, 4, 6, 9, 12]
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    assert planner.policy == "confidence" and planner.rule.config.mode == "auto"
+    # before any cost exists: speculate (cold start) at the whole window, never a guessed table
+    assert planner.decide(4).speculate and planner.decide(4).why == "cold"
+    assert planner.verify_lengths(torch.zeros(4, 3), 4, "cpu").tolist() == [4, 4, 4, 4]
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 70.0})  # width 4 costs 7x a plain step: 1 and 4 known
+    costs = planner.rule.costs.spec_seconds(4)
+    assert costs == pytest.approx([0.012, 0.032, 0.052, 0.072])
+    z = torch.full((4, 3), 4.0)  # confident rows
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [1, 1, 1, 1]  # (4 + 4 x 0.98) / 32 ms < 4 / 12 ms
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 12.0}, repeats=9)  # a wide verify as cheap as a narrow
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]
 
 
-def test_a_given_table_is_loaded_and_never_reprofiled(tmp_path, monkeypatch):
+def test_an_operator_sps_table_prices_the_width_only(tmp_path, monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     path = tmp_path / "sps.json"
     SpsTable([1, 8, 64], [100.0, 90.0, 20.0]).save(path)
     planner = VerifyPlanner.from_server_args(spec_args(sps=str(path)), DSparkDraft(tiny_draft_config(block_size=3)))
-    assert planner.sps.tokens == [1, 8, 64] and not any(planner.needs_profile(b) for b in (1, 7, 48, 1000))
-    planner.add_profile(1, {1: 1.0})  # never called by the worker then; must not overwrite the operator's file
-    assert json.loads(path.read_text())["steps_per_s"] == [100.0, 90.0, 20.0]
-
-
-def test_lengths_are_the_shared_scheduler_with_sts(tmp_path, monkeypatch):
-    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
-    sts = tmp_path / "sts.json"
-    save_sts(sts, torch.tensor([1.0, 2.0, 0.5]))
-    planner = VerifyPlanner.from_server_args(spec_args(sts=str(sts)), DSparkDraft(tiny_draft_config(block_size=3)))
-    planner.add_profile(4, {1: 100.0, 2: 50.0, 3: 34.0, 4: 25.0})  # cost linear in tokens
+    assert planner.sps.tokens == [1, 8, 64] and planner.save_path is None
     z = torch.tensor([[4.0, 4.0, 4.0], [-4.0, 4.0, 4.0], [4.0, -4.0, 0.0], [0.0, 0.0, 0.0]])
-    conf = apply_sts(z, torch.tensor([1.0, 2.0, 0.5]))
-    got = planner.verify_lengths(z, 4, "cpu")
-    # the worker's verify pads every row to the longest, so it schedules one width for the batch (padded rule)
-    assert torch.equal(got, schedule(conf, planner.sps, "confidence", padded=True))
-    assert got.tolist() == [1, 1, 1, 1]  # cost linear in tokens: 2.5 expected drafts in column 0 do not pay for 4
-    assert schedule(conf, planner.sps, "confidence").tolist() == [3, 1, 2, 1]  # per request: padded to 3
-    planner.add_profile(4, {1: 100.0, 2: 100.0, 3: 100.0, 4: 100.0})  # a verify as cheap at 16 tokens as at 4
-    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]
+    assert torch.equal(planner.verify_lengths(z, 4, "cpu"), schedule(apply_sts(z, None), planner.sps, padded=True))
+    planner.save()  # never overwrites the operator's file
+    assert json.loads(path.read_text())["steps_per_s"] == [100.0, 90.0, 20.0]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nothing": 1}')
+    with pytest.raises(ValueError, match="neither a cost table nor an SPS table"):
+        VerifyPlanner.from_server_args(spec_args(sps=str(bad)), DSparkDraft(tiny_draft_config(block_size=3)))
 
 
-def test_static_policy_and_stats(monkeypatch):
+def test_static_policy_always_speculates_and_stats(monkeypatch):
     monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "static")
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
-    assert planner.policy == "static" and not planner.needs_profile(1)
+    assert planner.policy == "static" and planner.rule.config.mode == "on"
+    feed(planner, 2, off_ms=1.0, draft_ms=50.0, after_ms={4: 10.0})  # speculation cannot pay: still on (fixed)
+    decision = planner.decide(2)
+    assert decision.speculate and decision.why == "forced"
     lengths = planner.verify_lengths(torch.full((2, 3), 5.0), 2, "cpu")
-    assert lengths.tolist() == [4, 4]
-    planner.record(lengths, 4, torch.tensor([3, 1]))
+    assert lengths.tolist() == [4, 4] and planner.host_width(torch.zeros(2, 3)) == 4
+    planner.record(lengths, 4, torch.tensor([3, 1]), decision)
+    planner.record_step(2, decision, 4)
     info = planner.info()
     assert info["schedule"] == "static" and info["mean_target_tokens_per_request"] == 4
     assert info["mean_accepted_drafts"] == 2 and info["decode_steps"] == 1
+    assert info["buckets"]["2"]["speculated_share"] == 1.0 and info["buckets"]["2"]["width_hist"] == {"4": 1}
+    assert info["buckets"]["2"]["realized_accept_length"] == 3.0
     planner.clear()
     assert planner.info()["decode_steps"] == 0
 
 
-def test_per_machine_cache_resumes_measured_buckets(tmp_path, monkeypatch):
-    """Without a table path the measurements persist per engine: a restart profiles only buckets it never met, and
-    new buckets merge with the old raw values (smoothed as if measured in one run)."""
+def test_operator_switch_cap_and_run_time_fraction(monkeypatch):
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    draft = DSparkDraft(tiny_draft_config(block_size=3))
+    capped = VerifyPlanner.from_server_args(spec_args(), draft, mode="auto", max_batch=4)
+    assert capped.decide(4).speculate and not capped.decide(5).speculate
+    planner = VerifyPlanner.from_server_args(spec_args(), draft, mode="off")
+    assert not planner.decide(1).speculate
+    planner.set_forced_fraction(0.5)  # width ceil(0.5 x 4) = 2
+    assert planner.decide(1).speculate and planner.verify_lengths(torch.zeros(3, 3), 3, "cpu").tolist() == [2, 2, 2]
+    planner.set_forced_fraction(0.2)  # width 1: off
+    assert not planner.decide(1).speculate
+    planner.set_forced_fraction(1.0)  # back to the operator's mode
+    assert not planner.decide(1).speculate and planner.info()["speculate"] == "off"
+    assert planner.decide(1, needs_full_window=True).speculate  # a logprob request reads a full window
+
+
+def test_per_machine_cache_keeps_the_learnt_costs(tmp_path, monkeypatch):
+    """Without a table path the learnt costs persist per engine: a restart starts from them."""
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     draft = DSparkDraft(tiny_draft_config(block_size=3))
     cache = tmp_path / "sps" / "engine.json"  # its folder does not exist yet
     first = VerifyPlanner.from_server_args(spec_args(), draft, cache)
-    assert first.needs_profile(1) and first.sps is None
-    first.add_profile(1, {1: 200.0, 2: 150.0, 3: 160.0, 4: 110.0})
-    assert SpsTable.load(cache).meta["buckets"] == [1]
-
+    feed(first, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0})  # both arms of bucket 4 timed: written
+    assert list(json.loads(cache.read_text())["buckets"]) == ["4"]
+    first.info()  # reading /server_info writes the table
     again = VerifyPlanner.from_server_args(spec_args(), draft, cache)
-    assert not again.needs_profile(1) and again.needs_profile(2) and again.needs_profile(16)
-    assert again.sps.to_dict() == first.sps.to_dict()
-    assert torch.equal(again.verify_lengths(torch.zeros(1, 3), 1, "cpu"), first.verify_lengths(torch.zeros(1, 3), 1,
-                                                                                                "cpu"))
-    again.add_profile(2, {1: 180.0, 2: 120.0, 3: 90.0, 4: 70.0})
-    saved = SpsTable.load(cache)
-    assert saved.meta["buckets"] == [1, 2] and saved.tokens == [1, 2, 3, 4, 6, 8]
-    assert saved.meta["raw_steps_per_s"] == [200.0, 180.0, 160.0, 120.0, 90.0, 70.0]  # 2 = 150 remeasured as 180
-    assert saved.is_monotone()
-
-    explicit = tmp_path / "given.json"  # an operator's table path wins: the cache is neither read nor written
-    mine = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft, cache)
-    assert mine.needs_profile(1) and mine.save_path == explicit
-
-
-def test_unreadable_cache_is_measured_anew(tmp_path, monkeypatch):
-    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
-    draft = DSparkDraft(tiny_draft_config(block_size=3))
-    cache = tmp_path / "engine.json"
-    for junk in ('{"tokens": [1], "steps_per_s": [5.0]}', "{", '{"tokens": [2, 1], "steps_per_s": [1, 1]}'):
-        cache.write_text(junk)  # no buckets / torn / invalid
+    assert again.rule.costs.to_dict() == first.rule.costs.to_dict() and again.save_path == cache
+    assert not again.decide(4).why == "cold"
+    for junk in ('{"tokens": [1], "steps_per_s": [5.0]}', "{", '{"width": 9, "buckets": {}}'):
+        cache.write_text(junk)  # an SPS table (not ours to trust here) / torn / another window
         planner = VerifyPlanner.from_server_args(spec_args(), draft, cache)
-        assert planner.needs_profile(1) and planner.sps is None
-    planner.add_profile(1, {1: 10.0})
-    assert SpsTable.load(cache).meta["buckets"] == [1]
-
-
-def test_static_policy_ignores_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "static")
-    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)),
-                                             tmp_path / "engine.json")
-    assert planner.save_path is None and not planner.needs_profile(1)
+        assert not planner.rule.costs.buckets and planner.save_path == cache
+    explicit = tmp_path / "given.json"  # an operator's path that does not exist yet receives the learnt table
+    mine = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft, cache)
+    feed(mine, 1, off_ms=5.0, draft_ms=1.0, after_ms={4: 9.0})
+    mine.save()
+    assert json.loads(explicit.read_text())["buckets"]["1"]["off"] == [0.005] * 3
+    loaded = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft)
+    assert loaded.sps is None and loaded.rule.costs.off_seconds(1) == pytest.approx(0.005)
 
 
 def test_cache_file_is_keyed_by_engine_and_can_be_turned_off(tmp_path, monkeypatch):
@@ -160,12 +158,12 @@ def test_cache_file_is_keyed_by_engine_and_can_be_turned_off(tmp_path, monkeypat
     assert sps_cache_file(facts) is None
 
 
-def test_adopt_takes_another_planners_state(tmp_path, monkeypatch):
-    """What a TP rank does with rank 0's state at start-up (RankSync.share_object): same table, same buckets."""
+def test_adopt_takes_another_planners_state(monkeypatch):
+    """What a TP rank does with rank 0's state at start-up (RankSync.share_object): the same costs."""
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     draft = DSparkDraft(tiny_draft_config(block_size=3))
     rank0, rank1 = (VerifyPlanner.from_server_args(spec_args(), draft) for _ in range(2))
-    rank0.add_profile(4, {1: 100.0, 2: 50.0, 3: 34.0, 4: 25.0})
-    rank1.add_profile(1, {1: 1.0})
+    feed(rank0, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0})
+    feed(rank1, 1, off_ms=1.0, draft_ms=2.0, after_ms={4: 4.0})
     rank1.adopt(rank0.state())
-    assert rank1.state() == rank0.state() and rank1.needs_profile(1) and not rank1.needs_profile(3)
+    assert rank1.state() == rank0.state()

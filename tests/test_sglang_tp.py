@@ -124,9 +124,9 @@ def test_mla_draft_tp2_accepts_as_the_reference_engine(setup):
 
 
 def test_confidence_schedule_tp2_shares_one_sps_table(setup, tmp_path):
-    """The default policy at TP=2 with the per-machine SPS cache on: lossless; one cache file (rank 0 writes); a
-    restart loads it on both ranks and profiles nothing (a rank that profiled alone would hang the other in its
-    collective forwards)."""
+    """The default policy (the full-cost rule, rank 0's decision to speculate broadcast each step) at TP=2 with the
+    per-machine cost cache on: lossless; one cache file (rank 0 writes it once a bucket has timed both arms); a
+    restart loads it on both ranks (a rank that decided alone would hang the other in its collective forwards)."""
     env = {SPS_CACHE_ENV: str(tmp_path)}
     with Server(setup["target"], dspark(setup), env=env) as s:
         first = [o["output_ids"] for o in s.generate(PROMPTS, MAX_NEW, ignore_eos=True)]

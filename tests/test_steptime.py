@@ -51,12 +51,31 @@ def test_a_step_that_stops_midway_is_not_counted_and_clear_resets(clock):
     run_step(times, clock)
     assert times.info()["decode_steps_timed"] == 1
     times.clear()
-    assert times.info() == {"decode_steps_timed": 0, "ms_per_step": dict.fromkeys(PHASES, 0.0),
-                            "total_ms_per_step": 0.0, "total_ms": dict.fromkeys(PHASES, 0.0)}
+    zero = dict.fromkeys(PHASES, 0.0)
+    assert times.info() == {"decode_steps_timed": 0, "ms_per_step": zero, "total_ms_per_step": 0.0,
+                            "total_ms": zero, "off_steps_timed": 0, "off_ms_per_step": zero,
+                            "off_total_ms_per_step": 0.0, "off_total_ms": zero}
+
+
+def test_off_steps_skip_the_draft_and_are_counted_apart_and_reported(clock):
+    seen = []
+    times = StepTimes("cpu", on_step=lambda meta, s: seen.append((meta, s)))
+    times.start(batch_size=4)
+    times.note(speculate=False, width=1)
+    for phase in ("decide", "verify", "accept", "commit"):
+        clock.now += 0.01
+        times.mark(phase)
+    run_step(times, clock, slow="draft")
+    info = times.info()
+    assert info["off_steps_timed"] == 1 and info["decode_steps_timed"] == 1
+    assert info["off_total_ms_per_step"] == pytest.approx(40.0) and info["total_ms_per_step"] == pytest.approx(20.0)
+    assert seen[0][0] == {"speculate": False, "batch_size": 4, "width": 1}
+    assert set(seen[0][1]) == {"decide", "verify", "accept", "commit"} and seen[1][1]["draft"] == pytest.approx(0.02)
 
 
 def test_phases_must_be_marked_in_order():
     times = StepTimes("cpu")
     times.start()
+    times.mark("verify")  # phases may be skipped (an off step has no draft) ...
     with pytest.raises(AssertionError, match="out of order"):
-        times.mark("verify")
+        times.mark("draft")  # ... but never go back

@@ -69,8 +69,6 @@ def handle_dspark_args(server_args) -> None:
         speculative_eagle_topk=1,
         speculative_num_draft_tokens=draft.block_size + 1,
     )
-    if cfg.max_running_requests is None:
-        declare_resolution(server_args, SOURCE, max_running_requests=48)
     if getattr(cfg, "enable_watermark", False):
         raise ValueError("dspark-sgl DSPARK does not support --enable-watermark: the watermark replaces how tokens "
                          "are drawn, which speculative verification cannot reproduce; drop one of the two")

@@ -1,22 +1,27 @@
-"""Verify planning for the SGLang worker: which policy, which SPS table, which STS temperatures, and the numbers
-`/server_info` reports. The scheduling rule itself is the shared `dspark_sgl.speculative.scheduler.schedule`.
+"""Verify planning for the SGLang worker: speculate or not, which policy, which costs, which STS temperatures, and the
+numbers `/server_info` reports. The rule itself is the shared `dspark_sgl.speculative.scheduler.FullCostRule`.
+
+Speculate or not. Before drafting, every decode step asks the full-cost rule, from earlier steps only, whether a
+speculative step is expected to commit tokens faster than a plain ("off") step at this batch size, with every cost
+counted (draft, verify at each width, acceptance and commit). The costs come from the worker's own step timings
+(steptime.py), per batch bucket x verify width, never from extra forwards inside a live step; a new bucket times a few
+speculative steps and a few off steps first (the rule's cold start), and every 64th decision of a bucket runs the other
+arm once to keep its cost fresh. The learnt table persists in a per-machine cache (`$DSPARK_SGL_SPS_CACHE`, default
+`$XDG_CACHE_HOME/dspark-sgl/sps/`, `off` disables it), one file per engine (`engine_facts`), so a restart starts with
+the costs measured before. Operators: `--json-model-override-args '{"dspark_speculate": "auto"|"on"|"off",
+"dspark_speculate_max_batch": N}'` (`dspark serve --speculate`, `--speculate-max-batch`), and at run time SGLang's
+admin-protected `/set_internal_state` with `dspark_force_budget_frac` (1: the rule; f < 1: speculate on every step at
+width <= ceil(f (γ+1)); width 1 = off).
 
 Policy. SGLang's own switch `SGLANG_RAGGED_VERIFY_MODE` picks it, so one setting drives the builtin and ours:
-`static` verifies γ+1 tokens per request; `compact` / `cap-accept` run the confidence schedule. Unset, we default to
-`confidence` whenever the draft has a confidence head (the builtin defaults to static, which leaves the head unused).
+`static` verifies γ+1 tokens per request on every step (speculation always on unless dspark_speculate says
+otherwise: a fixed schedule); `compact` / `cap-accept` run the full-cost schedule. Unset, we default to `confidence`
+whenever the draft has a confidence head (the builtin defaults to static, which leaves the head unused).
 
-SPS table. `--speculative-dspark-sps-table-path FILE` loads FILE when it exists, and trusts it for every batch size.
-Otherwise the worker measures the table itself on the live engine: the first decode batch of each new batch-size
-bucket (1, 2, 4, ...) is also timed at verify widths 1..γ+1 before its real verify. Those probe forwards write target
-KV only into the step's own verify-window slots, which the real verify overwrites, so they change no output. When
-FILE was given but missing, the measured table is written there for the next start.
-
-Without FILE the measurements persist in a per-machine cache (`$DSPARK_SGL_SPS_CACHE`, default
-`$XDG_CACHE_HOME/dspark-sgl/sps/`, `off` disables it), one file per engine (`engine_facts`: target, dtype, device,
-TP, verify width, attention backend, versions). A restart loads the buckets measured before and profiles only new
-ones, so the scheduler does not stall the first requests of every bucket again (the TTFT tail of
-docs/serving.md's load table). Under TP, rank 0's table and buckets go to every rank at start-up (`adopt`): each
-probe is a collective forward, so every rank must profile the same buckets at the same step.
+A verify-only SPS table (`--speculative-dspark-sps-table-path FILE` holding `tokens`/`steps_per_s`, or a live update's
+sps.json) is still honoured for the width after drafting (the verify-only padded rule); the decision to speculate is
+the full-cost rule's either way. A FILE holding a cost table (`buckets`) is loaded as the start-up profile; a FILE
+that does not exist receives the learnt cost table.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +37,24 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dspark_sgl.speculative.scheduler import schedule
-from dspark_sgl.speculative.sps import SpsTable, isotonic_non_increasing
+from dspark_sgl.sglang.steptime import costs_of_step
+from dspark_sgl.speculative.scheduler import (
+    CostTable,
+    Decision,
+    FullCostRule,
+    RuleConfig,
+    batch_bucket,
+    schedule,
+)
+from dspark_sgl.speculative.sps import SpsTable
 from dspark_sgl.speculative.sts import apply_sts, load_sts
 from dspark_sgl.targets.smollm2 import cache_root
 
 logger = logging.getLogger(__name__)
 POLICY_FROM_SGLANG_MODE = {"static": "static", "cap-accept": "confidence", "compact": "confidence"}
 SPS_CACHE_ENV = "DSPARK_SGL_SPS_CACHE"  # a folder, or "off"; default $XDG_CACHE_HOME/dspark-sgl/sps
+SAVE_EVERY = 512  # decode steps between writes of the learnt cost table (also written whenever /server_info is read
+# and whenever a bucket's cold start has timed both arms)
 
 
 def choose_policy(has_confidence_head: bool, sglang_mode: str | None) -> str:
@@ -84,28 +100,54 @@ def sps_cache_file(facts: dict) -> Path | None:
 
 
 def size_bucket(batch_size: int) -> int:
-    """The power of two at or above batch_size: one SPS profile per bucket."""
+    """The power of two at or above batch_size."""
     return 1 << max(batch_size - 1, 0).bit_length()
+
+
+@dataclass
+class BucketRecord:
+    """What /server_info reports per batch bucket: decode steps, how many speculated, the verify-width histogram, and
+    predicted vs realized tokens per request of the speculative steps (realized stays on the device)."""
+
+    steps: int = 0
+    speculated: int = 0
+    widths: dict[int, int] = field(default_factory=dict)
+    rows: int = 0  # request-steps that speculated
+    predicted: float = 0.0  # summed over those request-steps: 1 + E[accepted] as predicted before drafting
+    realized: Tensor | int = 0  # summed: 1 + accepted
+
+    def to_dict(self) -> dict:
+        n = max(self.rows, 1)
+        return {"steps": self.steps, "speculated_share": round(self.speculated / max(self.steps, 1), 4),
+                "width_hist": {str(w): c for w, c in sorted(self.widths.items())},
+                "predicted_accept_length": round(self.predicted / n, 4) if self.rows else None,
+                "realized_accept_length": round(float(self.realized) / n, 4) if self.rows else None}
 
 
 @dataclass
 class VerifyPlanner:
     policy: str  # "static" | "confidence"
     gamma: int
+    rule: FullCostRule
     temperatures: Tensor | None = None  # STS, per position
-    sps: SpsTable | None = None  # None until loaded or measured
-    save_path: Path | None = None  # where a measured table is written
-    measured: dict[int, float] = field(default_factory=dict)  # batch verify tokens -> steps/s
-    profiled_buckets: set[int] = field(default_factory=set)
+    sps: SpsTable | None = None  # an operator's or a release's verify-only table (widths only), else None
+    save_path: Path | None = None  # where the learnt cost table is written
+    forced_width: int | None = None  # /set_internal_state dspark_force_budget_frac: a fixed width (1 = off)
     steps: int = 0
     requests: int = 0
     verified_drafts: Tensor | int = 0  # scheduled drafts, summed over requests and steps (stays on the device)
     run_tokens: int = 0  # tokens the target actually ran (batch × window)
     accepted: Tensor | int = 0  # stays on the device: recording a step costs no host sync
+    buckets: dict[int, BucketRecord] = field(default_factory=dict)
+    _timed: int = field(default=0, repr=False)  # steps timed since start
+    _priced: int = field(default=0, repr=False)  # buckets with both arms timed, at the last save
 
     @classmethod
-    def from_server_args(cls, spec, draft, cache_file: Path | None = None) -> VerifyPlanner:
-        """The planner of one worker. `cache_file` (sps_cache_file) applies when no table path was given."""
+    def from_server_args(cls, spec, draft, cache_file: Path | None = None, mode: str | None = None,
+                         max_batch: int | None = None) -> VerifyPlanner:
+        """The planner of one worker. `cache_file` (sps_cache_file) applies when no table path was given; `mode` and
+        `max_batch`: the operator's dspark_speculate / dspark_speculate_max_batch (None: auto, uncapped; the static
+        policy speculates on every step unless told otherwise)."""
         gamma = draft.config.block_size
         policy = choose_policy(draft.confidence_head is not None, os.environ.get("SGLANG_RAGGED_VERIFY_MODE"))
         sts_path = spec.speculative_dspark_confidence_sts_path
@@ -115,115 +157,179 @@ class VerifyPlanner:
             temps = torch.tensor(draft.config.sts_temperatures, dtype=torch.float64)
         else:
             temps = None
-        planner = cls(policy, gamma, temps)
+        config = RuleConfig(mode=mode or ("on" if policy == "static" else "auto"),
+                            max_batch=None if max_batch is None else int(max_batch))
+        planner = cls(policy, gamma, FullCostRule(gamma, config=config), temps)
         path = spec.speculative_dspark_sps_table_path
         if path and Path(path).is_file():
-            planner.sps = SpsTable.load(path).smoothed()
-            planner.profiled_buckets = {1 << i for i in range(31)}  # a given table is trusted for every size
+            planner._load(Path(path), trusted=True)
         elif path:
             planner.save_path = Path(path)
-        elif cache_file is not None and policy == "confidence":
+        elif cache_file is not None:
             planner.save_path = cache_file
-            planner._resume(cache_file)
+            if cache_file.is_file():
+                planner._load(cache_file, trusted=False)
+            else:
+                logger.info("dspark-sgl step costs: learnt from the served steps, kept in %s", cache_file)
         return planner
 
-    def _resume(self, file: Path) -> None:
-        """Load the buckets a previous start measured (raw values: new buckets merge and smooth as if measured now).
-        An unreadable file is measured anew and overwritten."""
-        if not file.is_file():
-            logger.info("dspark-sgl SPS table: measured per batch-size bucket, kept in %s", file)
-            return
+    def _load(self, file: Path, trusted: bool) -> None:
+        """A cost table (`buckets`: the start-up profile) or a verify-only SPS table (`tokens`: widths by it). An
+        unreadable cache is learnt anew and overwritten; an unreadable operator file is an error."""
         try:
-            table = SpsTable.load(file)
-            raw, buckets = table.meta["raw_steps_per_s"], table.meta["buckets"]
-            self.adopt({"measured": dict(zip(table.tokens, raw, strict=True)), "buckets": buckets})
+            d = json.loads(file.read_text())
+            if "buckets" in d:
+                costs = CostTable.from_dict(d)
+                if costs.width != self.gamma + 1:
+                    raise ValueError(f"cost table for width {costs.width}, verify window {self.gamma + 1}")
+                self.rule.costs = costs
+            elif trusted:
+                self.sps = SpsTable.from_dict(d).smoothed()
+            else:
+                raise ValueError("not a cost table")
         except (ValueError, KeyError, TypeError) as e:
-            logger.warning("dspark-sgl SPS cache %s unreadable (%s): measuring anew", file, e)
+            if trusted:
+                raise ValueError(f"dspark-sgl: {file} is neither a cost table nor an SPS table: {e}") from e
+            logger.warning("dspark-sgl step-cost cache %s unreadable (%s): learning anew", file, e)
             return
-        logger.info("dspark-sgl SPS table: buckets %s loaded from %s (delete it to measure again)", buckets, file)
+        if not trusted:
+            self.save_path = file
+        logger.info("dspark-sgl step costs: buckets %s loaded from %s (delete it to measure again)",
+                    sorted(self.rule.costs.buckets), file)
 
     def state(self) -> dict:
-        """What `adopt` takes: the raw measurements and the profiled buckets (rank 0's go to every TP rank)."""
-        return {"measured": dict(self.measured), "buckets": sorted(self.profiled_buckets),
-                "sps": None if self.sps is None else self.sps.to_dict()}
+        """What `adopt` takes (rank 0's start-up costs and table go to every TP rank)."""
+        return {"costs": self.rule.costs.to_dict(), "sps": None if self.sps is None else self.sps.to_dict()}
 
     def adopt(self, state: dict) -> None:
-        self.measured = {int(t): float(v) for t, v in state["measured"].items()}
-        self.profiled_buckets = {int(b) for b in state["buckets"]}
-        if state.get("sps") is not None:
-            self.sps = SpsTable.from_dict(state["sps"])
-        elif self.measured:
-            self.sps = self._smooth()
+        self.rule.costs = CostTable.from_dict(state["costs"])
+        self.sps = None if state.get("sps") is None else SpsTable.from_dict(state["sps"])
 
     def use_release(self, sts: list[float] | None, sps: SpsTable | None) -> None:
         """A live draft update (weights.py): its STS temperatures or none (the old ones were fitted to the old
-        draft), and its SPS table if it brings one (else the engine's stays: SPS is the target's and hardware's)."""
+        draft), and its SPS table if it brings one. The draft's cost is the same network's; its acceptance is not:
+        the per-position statistics start again."""
         self.temperatures = None if sts is None else torch.tensor(sts, dtype=torch.float64)
         if sps is not None:
             self.sps = sps.smoothed()
-            self.profiled_buckets = {1 << i for i in range(31)}
+        self.rule.accept.clear()
+        self.rule.overall = type(self.rule.overall)(self.gamma)
 
-    def needs_profile(self, batch_size: int) -> bool:
-        return self.policy == "confidence" and size_bucket(batch_size) not in self.profiled_buckets
+    def set_forced_fraction(self, frac: float | None) -> None:
+        """SGLang's dspark_force_budget_frac (its HTTP hook takes numbers in (0, 1] only): 1 (or None) gives the
+        decision back to the rule (or the operator's mode); f < 1 speculates on every step with the width capped at
+        ceil(f (γ+1)) (the rule picks within it); a cap of 1 (f <= 1/(γ+1)) runs an off step on every step."""
+        auto = frac is None or float(frac) >= 1.0
+        self.forced_width = None if auto else max(1, math.ceil(float(frac) * (self.gamma + 1)))
+        logger.info("dspark-sgl: speculation %s", "by the full-cost rule" if self.forced_width is None else
+                    f"forced: verify width <= {self.forced_width}" + (" (off)" if self.forced_width == 1 else ""))
 
-    def add_profile(self, batch_size: int, steps_per_s_by_width: dict[int, float]) -> None:
-        """Merge one bucket's measurements (verify width -> steps/s at this batch size) into the table."""
-        self.profiled_buckets.add(size_bucket(batch_size))
-        for width, sps in steps_per_s_by_width.items():
-            self.measured[batch_size * width] = sps
-        self.sps = self._smooth()
-        logger.info("dspark-sgl SPS table (batch tokens -> steps/s): %s",
-                    ", ".join(f"{t}:{s:.1f}" for t, s in zip(self.sps.tokens, self.sps.steps_per_s, strict=True)))
-        if self.save_path is not None:
-            self.sps.save(self.save_path)
-
-    def _smooth(self) -> SpsTable:
-        tokens = sorted(self.measured)
-        raw = [self.measured[t] for t in tokens]
-        meta = {"source": "dspark-sgl worker, measured on the live engine", "raw_steps_per_s": raw,
-                "buckets": sorted(self.profiled_buckets)}
-        return SpsTable(tokens, isotonic_non_increasing(raw), meta)
+    def decide(self, batch_size: int, needs_full_window: bool = False) -> Decision:
+        """Before drafting: speculate this step? `needs_full_window` (a logprob request: SGLang's spec logprobs read
+        a full window) speculates."""
+        if needs_full_window:
+            return Decision(True, "logprob")
+        if self.forced_width is not None:
+            return Decision(self.forced_width > 1, "forced")
+        return self.rule.decide(batch_size)
 
     def verify_lengths(self, conf_logits: Tensor | None, batch_size: int, device) -> Tensor:
-        """Per-request verify length (anchor + scheduled drafts) in [1, γ+1], long, on device."""
-        if self.policy == "static" or conf_logits is None or self.sps is None:
-            return torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
-        conf = apply_sts(conf_logits.float(), self._temps(conf_logits.device))
-        return schedule(conf, self.sps, "confidence", padded=True)  # the worker's verify pads to the longest row
+        """Per-request verify length (anchor + scheduled drafts) in [1, γ+1], long, on device (one width for all)."""
+        conf = None if conf_logits is None else self.survival_factors(conf_logits)
+        return self.lengths_from_conf(conf, batch_size, device)
 
-    def calibrated(self, conf_logits: Tensor) -> Tensor:
-        """The STS-calibrated confidences [B, γ] of raw confidence logits."""
+    def lengths_from_conf(self, conf: Tensor | None, batch_size: int, device) -> Tensor:
+        """verify_lengths from survival factors of any proposer (the hybrid's rows mix the draft's and a match's)."""
+        lengths = torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
+        if self.policy == "confidence" and conf is not None:
+            # the worker's verify pads every row to the longest: one width for the batch (the padded rules)
+            lengths = schedule(conf, self.sps, "confidence", padded=True) if self.sps is not None \
+                else self.rule.widths(conf)
+        return lengths if self.forced_width is None else lengths.clamp(max=self.forced_width)
+
+    def host_width(self, conf_logits: Tensor | None) -> int | None:
+        """The width `verify_lengths` gives every row when the host knows it without reading them (static, no
+        confidence head); None when it depends on this step's confidences."""
+        if self.policy == "static" or conf_logits is None:
+            return self.gamma + 1 if self.forced_width is None else min(self.forced_width, self.gamma + 1)
+        return None
+
+    def survival_factors(self, conf_logits: Tensor) -> Tensor:
         return apply_sts(conf_logits.float(), self._temps(conf_logits.device))
 
-    def lengths_from_conf(self, conf: Tensor, batch_size: int, device) -> Tensor:
-        """verify_lengths from calibrated confidences (the hybrid's rows mix the draft's and a match's)."""
-        if self.policy == "static" or self.sps is None:
-            return torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
-        return schedule(conf, self.sps, "confidence", padded=True)
+    calibrated = survival_factors  # the name the hybrid's engines share (speculative/scheduler.py's planners)
 
-    def record(self, lengths: Tensor, width: int, accepted: Tensor) -> None:
+    def record_step(self, batch_size: int, decision: Decision, width: int) -> None:
+        rec = self.buckets.setdefault(batch_bucket(batch_size), BucketRecord())
+        rec.steps += 1
+        if decision.speculate:
+            rec.speculated += 1
+            rec.widths[width] = rec.widths.get(width, 0) + 1
+
+    def record(self, lengths: Tensor, width: int, accepted: Tensor, decision: Decision,
+               conf_logits: Tensor | None = None, conf: Tensor | None = None) -> None:
+        """A speculative step's outcome: totals, the bucket's predicted vs realized, the rule's acceptance."""
+        bs = lengths.numel()
         self.steps += 1
-        self.requests += lengths.numel()
+        self.requests += bs
         self.verified_drafts = self.verified_drafts + (lengths - 1).sum()
-        self.run_tokens += lengths.numel() * width
+        self.run_tokens += bs * width
         self.accepted = self.accepted + accepted.sum()
+        rec = self.buckets.setdefault(batch_bucket(bs), BucketRecord())
+        rec.rows += bs
+        rec.predicted += decision.predicted * bs
+        rec.realized = rec.realized + (accepted + 1).sum()
+        if conf is None and conf_logits is not None:
+            conf = self.survival_factors(conf_logits)
+        self.rule.observe_accept(bs, width, accepted, conf)
+
+    def observe_timing(self, meta: dict, seconds: dict[str, float]) -> None:
+        """StepTimes' callback: one finished step's phases feed the cost table (a speculative step: draft phases and
+        the rest at its width; an off step: its whole time)."""
+        bs, spec = meta["batch_size"], meta["speculate"]
+        draft_s, after_s = costs_of_step(seconds)
+        if spec:
+            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s)
+        else:
+            self.rule.observe_off(bs, after_s)
+        self._timed += 1
+        priced = sum(b.off.seen > 0 and b.draft.seen > 0 for b in self.rule.costs.buckets.values())
+        if priced > self._priced or self._timed % SAVE_EVERY == 0:  # a bucket's both arms now known, or periodically
+            self._priced = priced
+            self.save()
+
+    def save(self) -> None:
+        """The learnt costs, written whole (a temporary file renamed over it); never an operator's SPS table."""
+        if self.save_path is None or self.sps is not None or not self.rule.costs.buckets:
+            return
+        file = self.save_path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.rule.costs.to_dict()) + "\n")
+        os.replace(tmp, file)
 
     def info(self) -> dict:
         """What `/server_info` shows under internal_states[...]["dspark_info_record"]."""
         n = max(self.requests, 1)
+        self.save()
         return {
             "worker": "dspark-sgl",
             "schedule": self.policy,
+            "speculate": self.rule.config.mode if self.forced_width is None else f"width {self.forced_width}",
+            "speculate_max_batch": self.rule.config.max_batch,
             "decode_steps": self.steps,
             "mean_scheduled_drafts": float(self.verified_drafts) / n,
             "mean_target_tokens_per_request": self.run_tokens / n,
             "mean_accepted_drafts": float(self.accepted) / n,
+            "buckets": {str(b): r.to_dict() for b, r in sorted(self.buckets.items())},
+            "rule": self.rule.info(),
             "sts": None if self.temperatures is None else [float(t) for t in self.temperatures],
             "sps_table": None if self.sps is None else self.sps.to_dict(),
         }
 
     def clear(self) -> None:
         self.steps = self.requests = self.verified_drafts = self.run_tokens = self.accepted = 0
+        self.buckets.clear()
 
     def _temps(self, device) -> Tensor | None:
         if self.temperatures is None:

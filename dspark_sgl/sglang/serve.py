@@ -42,6 +42,8 @@ class ServeConfig:
     draft_dtype: str | None = None  # None: the target's; a bf16 draft beside an fp32 target stays lossless
     draft_root: Path | None = None  # None: disk updates may load any folder; else only folders inside this one
     match: bool = False  # the hybrid: each step verifies the draft's block or a match from the request's own text
+    speculate: str | None = None  # auto (the full-cost rule) | on | off; None: auto (static schedule: on)
+    speculate_max_batch: int | None = None  # larger batches never speculate
 
     def validate(self) -> None:
         if self.device not in DEVICES:
@@ -54,6 +56,12 @@ class ServeConfig:
             raise ServeError("--draft-dtype needs --draft")
         if self.match and self.draft is None:
             raise ServeError("--match needs --draft (it chooses between the draft's block and a match)")
+        if self.speculate is not None and self.speculate not in ("auto", "on", "off"):
+            raise ServeError(f"--speculate must be auto, on or off, got {self.speculate!r}")
+        if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
+            raise ServeError(f"--speculate-max-batch must be >= 0, got {self.speculate_max_batch}")
+        if (self.speculate is not None or self.speculate_max_batch is not None) and self.draft is None:
+            raise ServeError("--speculate / --speculate-max-batch need --draft")
         if self.draft_root is not None and not self.draft_root.is_dir():
             raise ServeError(f"--draft-root {str(self.draft_root)!r} is not a folder")
         if not 0 < self.port < 65536:
@@ -83,6 +91,10 @@ def server_args(cfg: ServeConfig) -> list[str]:
         ours["dspark_draft_root"] = str(cfg.draft_root.resolve())
     if cfg.match:
         ours["dspark_match"] = True
+    if cfg.speculate is not None:
+        ours["dspark_speculate"] = cfg.speculate
+    if cfg.speculate_max_batch is not None:
+        ours["dspark_speculate_max_batch"] = cfg.speculate_max_batch
     extra = list(cfg.extra)
     if ours:
         flag = "--json-model-override-args"

@@ -4,8 +4,11 @@ One scheduler step, with SGLang owning every KV slot:
 
     prefill : target extend with aux capture (ids = OUTPUT of decoder layer i) -> draft context K/V at the
               prompt's slots; the target's sampled token is the first anchor
-    decode  : draft block [anchor, MASK...] over the context (DSparkDraft.forward_step) -> Markov rollout
-              -> verify lengths from the confidence head (the shared Algorithm 1 scheduler; planning.py)
+    decode  : decide, from earlier steps only, whether to speculate (the shared full-cost rule; planning.py); if not,
+              an "off" step: the width-1 verify below (a plain decode step: capture and context as usual) and the
+              target's own draw, no draft. Else:
+              draft block [anchor, MASK...] over the context (DSparkDraft.forward_step) -> Markov rollout
+              -> verify lengths from the confidence head (the full-cost padded width rule; planning.py)
               -> target TARGET_VERIFY over [anchor, x_1..] in the first w columns of SGLang's pre-allocated window,
                  w = the longest scheduled length in the batch (γ+1 under the static policy)
               -> the shared per-row target distribution and acceptance (dspark_sgl.speculative.rows)
@@ -21,7 +24,6 @@ dspark_sgl.speculative; SGLang supplies the verify window, the verify forward, t
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -49,14 +51,15 @@ from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
 from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
-from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
-from dspark_sgl.speculative.sps import profile_sps
+from dspark_sgl.speculative.rows import accept_rows, plain_tokens, propose, step_noise
 from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
 DRAFT_DTYPE_KEY = "dspark_draft_dtype"  # in --json-model-override-args; `dspark serve --draft-dtype` sets it
 MATCH_KEY = "dspark_match"  # likewise (`dspark serve --match`): the hybrid's default; a request's custom_params may
 # carry the same key to switch it for that request alone
+SPECULATE_KEY = "dspark_speculate"  # auto | on | off (`dspark serve --speculate`)
+SPECULATE_MAX_BATCH_KEY = "dspark_speculate_max_batch"  # larger batches never speculate (`--speculate-max-batch`)
 
 
 def draft_dtype(target_dtype: torch.dtype, device) -> torch.dtype:
@@ -103,17 +106,18 @@ class DSparkWorker(BaseSpecWorker):
         self.sampling = BatchSamplingCache(self.model_runner.model_config.vocab_size, self.device,
                                            ex.kernel.sampling_backend, ex.deterministic.enable_deterministic_inference)
         cache = sps_cache_file(engine_facts(server_args, self.device, self.model_runner.dtype, self.verify_width))
-        self.planner = VerifyPlanner.from_server_args(spec, self.draft, cache)
+        self.planner = VerifyPlanner.from_server_args(spec, self.draft, cache, override_arg(SPECULATE_KEY),
+                                                      override_arg(SPECULATE_MAX_BATCH_KEY))
         self.ranks = tp_rank_sync()  # rank 0's decisions on every TP rank; a no-op at TP=1
-        if self.ranks.active:  # every rank profiles rank 0's buckets: each probe is a collective forward
+        if self.ranks.active:  # every rank starts from rank 0's costs (the decisions are rank 0's anyway)
             self.planner.adopt(self.ranks.share_object(self.planner.state()))
         if self.ranks.active and self.ranks.group.rank_in_group != 0:
-            self.planner.save_path = None  # a measured SPS table is written once, by rank 0
+            self.planner.save_path = None  # the learnt cost table is written once, by rank 0
             if planted("rank_sync"):  # and share() broadcasts nothing: rank 1+ drafts with another seed
                 torch.manual_seed(self.ranks.group.rank_in_group)
                 for p in self.draft.parameters():
                     p.data.add_(torch.randn_like(p) * 0.5)
-        self.times = StepTimes(self.device)
+        self.times = StepTimes(self.device, on_step=self.planner.observe_timing)  # step timings price the rule
         self._stale_rows: Tensor | int = 0  # request-steps capped by a stale context, summed on the device
         self._prompts: tuple[tuple, list[int], Tensor] | None = None  # (requests, host, device) prompt lengths
         self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
@@ -257,7 +261,7 @@ class DSparkWorker(BaseSpecWorker):
 
     def _choose(self, reqs, lens_cpu, prop, rows):
         """The hybrid's choice for this step, or (prop, None) when it is off for every row."""
-        states = self._match_states(reqs, lens_cpu)
+        states = None if lens_cpu is None else self._match_states(reqs, lens_cpu)
         if states is None:
             return prop, None, None
         conf = None if prop.conf_logits is None else self.planner.calibrated(prop.conf_logits)
@@ -274,7 +278,10 @@ class DSparkWorker(BaseSpecWorker):
         return None
 
     def set_dspark_forced_budget_frac(self, frac) -> None:
-        pass
+        """SGLang's run-time switch (/set_internal_state dspark_force_budget_frac, admin-key protected when the server
+        has one; numbers in (0, 1]): 1 = the full-cost rule decides; f < 1 = speculate on every step at width
+        <= ceil(f (γ+1)); a width of 1 = off on every step."""
+        self.planner.set_forced_fraction(frac)
 
     def get_confidence_budget_prepare(self):
         return None
@@ -359,9 +366,12 @@ class DSparkWorker(BaseSpecWorker):
 
     @torch.no_grad()
     def _forward_decode(self, batch, on_publish) -> GenerationBatchResult:
+        """decide -> [draft -> rollout -> width] -> verify -> accept -> commit. An off step (the rule's "no") verifies
+        the anchor alone (a width-1 verify is a plain decode step: SGLang's window, capture and KV slots as usual)
+        and draws the next token from the target's distribution exactly as plain decoding does."""
         draft_input: DFlashDraftInputV2 = batch.spec_info
         bs, W = len(batch.seq_lens), self.verify_width
-        self.times.start()
+        self.times.start(batch_size=bs)
         seq_lens = batch.seq_lens.long()
         anchor = draft_input.bonus_tokens.view(-1).long()
         rows = self.sampling.get(batch.reqs)
@@ -369,56 +379,84 @@ class DSparkWorker(BaseSpecWorker):
         lens_cpu = batch.seq_lens_cpu  # host-side: widths and budgets come from here, never from device tensors
         longest = int(lens_cpu.max()) if lens_cpu is not None else None
 
-        ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, longest)
-        h = self.draft.forward_step(anchor, ctx)
-        self.times.mark("draft")
-        prop = propose(self.draft, h, anchor, rows, noise)
-        prop, choice, _ = self._choose(batch.reqs, lens_cpu, prop, rows)
-        self.times.mark("rollout")
-
-        if self.planner.needs_profile(bs):
-            with self._hybrid_preserved(batch):  # extra verifies must not move a hybrid's recurrent state
-                self._profile_sps(batch, draft_input, torch.cat((anchor[:, None], prop.tokens), 1))
-        self.times.mark("probe")
-        if choice is not None and choice.conf is not None:  # the width rule sees the chosen proposals' survival
-            lengths = self.planner.lengths_from_conf(choice.conf, bs, self.device)
+        decision = self._decide(batch, bs)  # earlier steps' data only: lossless whatever it says
+        self.times.mark("decide")
+        choice = None
+        if decision.speculate:
+            prop, lengths, w, choice = self._draft(batch, anchor, rows, noise, seq_lens, longest)
+            drafts = prop.tokens
         else:
-            lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
-        key = tuple(r.rid for r in batch.reqs)
-        if batch.return_logprob:  # SGLang's spec logprobs read a full window
-            lengths, w = torch.full_like(lengths, W), W
-        elif self.planner.policy == "static" or prop.conf_logits is None or self.planner.sps is None:
-            w = W  # every request verifies γ+1 (or fewer after a swap: rows past a length are never read)
-        elif self.on_cpu:
-            w = None  # this step's own width, read below from the lengths every rank shares
-        else:
-            w = self._host_width(key)
-            lengths = lengths.clamp(max=w)
-        lengths = self._cap_stale(lengths, ctx.stale)
-        prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)  # every rank verifies rank 0's drafts
-        if w is None:  # on a CPU the lengths are host memory: reading them is no device sync
-            w = int(lengths.max())
-        verify_ids = torch.cat((anchor[:, None], prop.tokens), 1)
+            prop, lengths, w = None, torch.ones(bs, dtype=torch.long, device=self.device), 1
+            drafts = anchor.new_zeros(bs, W - 1)
+            for r in batch.reqs:  # an off step's token is not a proposal's outcome
+                self._match_pending.pop(r.rid, None)
+        self.times.note(speculate=decision.speculate, width=w)
+        verify_ids = torch.cat((anchor[:, None], drafts), 1)
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
         self.times.mark("verify")
-        logits = self._target_logits(batch, rows, logits_output, prop.tokens[:, : w - 1], anchor, seq_lens,
-                                     longest)
-        rule = "block" if self.block_verification else "rejection"
-        limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
-        if choice is not None:  # a match row accepts at most its k continuation tokens
-            limit = torch.minimum(limit, choice.cap.to(limit.device))
-            self._match_record(batch.reqs, choice, w)
-        acc = accept_rows(prop, logits, rows, limit, noise, rule)
-        c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
-        self.planner.record(lengths, w, c)
+        logits = self._target_logits(batch, rows, logits_output, drafts[:, : w - 1], anchor, seq_lens, longest)
+        if prop is None:
+            c, bonus = torch.zeros_like(anchor), plain_tokens(logits[:, 0], rows, noise)
+            c, bonus = self.ranks.share(c, bonus)
+        else:
+            rule = "block" if self.block_verification else "rejection"
+            limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
+            if choice is not None:  # a match row accepts at most its k continuation tokens
+                limit = torch.minimum(limit, choice.cap.to(limit.device))
+                self._match_record(batch.reqs, choice, w)
+            acc = accept_rows(prop, logits, rows, limit, noise, rule)
+            c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
+            self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf)
+        self.planner.record_step(bs, decision, w)
         self.times.mark("accept")
+        return self._commit(batch, on_publish, logits_output, can_run_graph, window, verify_ids, drafts, lengths, w,
+                            c, bonus, seq_lens)
 
+    def _decide(self, batch, bs: int):
+        """Speculate this step? The full-cost rule from earlier steps (or the operator's switch); under TP rank 0's
+        answer on every rank (each rank's step timings differ, so each would decide otherwise)."""
+        decision = self.planner.decide(bs, needs_full_window=bool(batch.return_logprob))
+        if self.ranks.active:
+            flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
+            decision.speculate = bool(self.ranks.share(flag)[0])
+        return decision
+
+    def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None):
+        """Draft block -> rollout -> verify lengths and the step's width (every rank verifies rank 0's drafts)."""
+        W, bs = self.verify_width, len(anchor)
+        ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, longest)
+        h = self.draft.forward_step(anchor, ctx)
+        self.times.mark("draft")
+        prop = propose(self.draft, h, anchor, rows, noise)
+        prop, choice, _ = self._choose(batch.reqs, batch.seq_lens_cpu, prop, rows)
+        self.times.mark("rollout")
+        if choice is not None and choice.conf is not None:  # the width rule sees the chosen proposals' survival
+            lengths = self.planner.lengths_from_conf(choice.conf, bs, self.device)
+        else:
+            lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
+        w = self.planner.host_width(prop.conf_logits)  # known on the host without reading lengths, or None
+        if batch.return_logprob:  # SGLang's spec logprobs read a full window
+            lengths, w = torch.full_like(lengths, W), W
+        elif w is None and not self.on_cpu:  # on a CPU this step's own width is read below: host memory, no sync
+            w = self._host_width(tuple(r.rid for r in batch.reqs))
+            lengths = lengths.clamp(max=w)
+        lengths = self._cap_stale(lengths, ctx.stale)
+        prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)
+        if w is None:
+            w = int(lengths.max())
+        return prop, lengths, w, choice
+
+    def _commit(self, batch, on_publish, logits_output, can_run_graph, window, verify_ids: Tensor, drafts: Tensor,
+                lengths: Tensor, w: int, c: Tensor, bonus: Tensor, seq_lens: Tensor) -> GenerationBatchResult:
+        """Commit the anchor + the c accepted drafts (target KV, draft context and token ids at the same slots) and
+        emit them + the bonus; the bonus is the next anchor."""
+        bs, W = len(seq_lens), self.verify_width
         if self.hybrid is not None:  # before any other target forward: the commit reads this verify's metadata
             self.hybrid.commit(batch, seq_lens, (c + 2).clamp(max=w) if planted("hybrid_commit") else c + 1)
         cols = torch.arange(W, device=self.device)[None]
-        out_tokens = torch.where(cols < c[:, None], torch.cat((prop.tokens, prop.tokens[:, :1]), 1), 0)
+        out_tokens = torch.where(cols < c[:, None], torch.cat((drafts, drafts[:, :1]), 1), 0)
         out_tokens.scatter_(1, c[:, None], bonus[:, None])
         keep = (cols[:, :w] <= c[:, None]).reshape(-1)  # the anchor and the accepted drafts now hold target KV
         if planted("context_keep"):  # shifted by one: x_1..x_{c+1}, not the anchor..x_c
@@ -449,9 +487,8 @@ class DSparkWorker(BaseSpecWorker):
             speculative_num_draft_tokens=W,
             new_seq_lens=new_seq_lens,
         )
-        self._last = (key, w, result)
-        if choice is not None:
-            self._match_keep_tails(batch.reqs, result, W)
+        self._last = (tuple(r.rid for r in batch.reqs), w, result)
+        self._match_keep_tails(batch.reqs, result, W)
         return result
 
     def _window(self, batch, draft_input, width: int):
@@ -465,18 +502,6 @@ class DSparkWorker(BaseSpecWorker):
             model_runner=self.model_runner,
             seq_lens_cpu=batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu,
         )
-
-    def _hybrid_preserved(self, batch):
-        return self.hybrid.preserved(batch) if self.hybrid is not None else nullcontext()
-
-    def _profile_sps(self, batch, draft_input, verify_ids: Tensor) -> None:
-        """Time the target verify forward of this very batch at widths 1..γ+1 (SPS on the live engine). Each probe
-        writes target KV only into this step's own window slots, which the real verify then overwrites."""
-        windows = {w: self._window(batch, draft_input, w) for w in range(1, self.verify_width + 1)}
-        sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else None
-        table = profile_sps(lambda w: self._verify(batch, draft_input, windows[w], verify_ids[:, :w]), list(windows),
-                            warmup=1, repeats=3, sync=sync, smooth=False)
-        self.planner.add_profile(len(batch.seq_lens), dict(zip(table.tokens, table.steps_per_s, strict=True)))
 
     def _verify(self, batch, draft_input, window, verify_ids: Tensor):
         """SGLang's TARGET_VERIFY forward over verify_ids [bs, W] = [anchor, drafts] at the window's slots."""

@@ -48,7 +48,17 @@ def propose(draft: DSparkDraft, h: Tensor, anchor: Tensor, s: BatchSampling, noi
 
 def next_tokens(logits: Tensor, s: BatchSampling, history: OutputHistory | None, noise: Noise) -> Tensor:
     """logits [B, V] -> [B] tokens drawn from the target's distribution (argmax on greedy rows)."""
-    probs = target_dist(logits[:, None], s, history)[:, 0]
+    return draw(target_dist(logits[:, None], s, history)[:, 0], s, noise)
+
+
+def plain_tokens(adjusted: Tensor, s: BatchSampling, noise: Noise) -> Tensor:
+    """next_tokens for logits [B, V] ALREADY adjusted (adjust_logits: penalties, logit bias), as the SGLang worker's
+    off step has them: the same draw (the same BONUS noise stream)."""
+    return draw(probs_from_logits(adjusted[:, None], s)[:, 0], s, noise)
+
+
+def draw(probs: Tensor, s: BatchSampling, noise: Noise) -> Tensor:
+    """probs [B, V] -> one token per row: argmax on greedy rows, the BONUS noise stream on sampled ones."""
     if s.all_greedy:
         return probs.argmax(-1)
     u = noise.uniform(probs.shape[0], 1, BONUS, probs.device)[:, 0]

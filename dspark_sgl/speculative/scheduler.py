@@ -539,10 +539,19 @@ class FullCostRule:
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float | None, after_s: float | None,
                      accepted: torch.Tensor, conf: torch.Tensor | None = None) -> None:
-        """One speculative step: its timings (None: not known yet, e.g. CUDA events still running; pass them later to
-        `observe_spec_costs`), the accepted drafts per row and the raw survival factors it was scheduled with."""
-        if self.learn_costs and draft_s is not None and after_s is not None:
+        """One speculative step: its timings (None: not known yet, e.g. CUDA events still running: the worker passes
+        them later to `observe_spec_costs`), the accepted drafts per row and the raw survival factors it was scheduled
+        with."""
+        if draft_s is not None and after_s is not None:
+            self.observe_spec_costs(batch_size, width, draft_s, after_s)
+        self.observe_accept(batch_size, width, accepted, conf)
+
+    def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
+        if self.learn_costs:
             self.costs.observe_spec(batch_size, width, draft_s, after_s)
+
+    def observe_accept(self, batch_size: int, width: int, accepted: torch.Tensor,
+                       conf: torch.Tensor | None = None) -> None:
         survival = None
         if conf is not None and conf.numel():
             survival = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0).cumprod(1)
