@@ -19,6 +19,13 @@ identical to plain decoding's at T = 0 (one request at a time, the first --concu
 
     python benchmarks/sglang_speed.py --draft DIR [--data gsm8k.jsonl --data humaneval.jsonl] [--concurrency 1 4]
     python benchmarks/sglang_speed.py --draft bigram   # an oracle bigram draft built from the plain outputs
+    python benchmarks/sglang_speed.py --draft bigram-train   # a bigram draft from training prompts' outputs
+
+`bigram-train` is a cheap, honest stand-in for a trained draft when none is at hand: the bigram table of the plain
+server's greedy outputs on --train-prompts GSM8K questions after the held-out first 50 (the README recipe's own
+training questions), never on the benchmark's prompts. `--match` (default on) adds a row for our worker with the
+hybrid (`dspark serve --match`: each step verifies the draft's block or a match from the request's own text), with the
+share of request-steps that verified a match and the accept length by source.
 
 `bigram` is a deliberately good predictor (a Markov head fitted to the target's own greedy outputs on these very
 prompts): an upper-bound style check of the serving path, not a trained draft's speed. Run it with
@@ -49,6 +56,7 @@ from dspark_testkit import ServeCommand, build_bigram_draft, expand_draft_folder
 from dspark_sgl.sglang.cpu.builtin import HARNESS_ENV  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+HELD_OUT = 50  # the first 50 prompts of every eval file are never trained on (configs/smollm2-135m-cpu.yaml)
 
 
 def run(server: ServeCommand, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[list[dict], float]:
@@ -61,9 +69,19 @@ def run(server: ServeCommand, prompts: list[list[int]], max_new: int, concurrenc
 
 
 def step_record(server: ServeCommand) -> dict | None:
-    """The DSPARK worker's per-phase step clock from /server_info (None on plain / NGRAM servers)."""
+    """The DSPARK worker's record from /server_info (None on plain / NGRAM servers; the builtin's has no step clock)."""
     info = server.get("/server_info")["internal_states"][0].get("dspark_info_record")
-    return info.get("step_ms") if isinstance(info, dict) else None  # the builtin's record has no step clock
+    return info if isinstance(info, dict) and "step_ms" in info else None
+
+
+def match_delta(before: dict, after: dict) -> dict:
+    """The hybrid's counters over one pass (cumulative before and after): request-steps per source, the share that
+    verified a match, accept length (accepted + bonus per step) by source."""
+    steps = {k: after["steps"][k] - before["steps"][k] for k in after["steps"]}
+    acc = {k: after["accepted"][k] - before["accepted"][k] for k in after["accepted"]}
+    total = sum(steps.values())
+    return {"steps": steps, "match_share": steps["match"] / total if total else 0.0,
+            "accept_length": {k: 1 + acc[k] / n if n else None for k, n in steps.items()}}
 
 
 def pass_breakdown(before: dict, after: dict, secs: float) -> dict:
@@ -88,7 +106,10 @@ def measure(server: ServeCommand, sets: dict[str, list[list[int]]], max_new: int
             before = step_record(server)
             passes[(name, c)] = outs, secs = run(server, prompts, max_new, c)
             if before is not None:
-                breakdown[(name, c)] = pass_breakdown(before, step_record(server), secs)
+                after = step_record(server)
+                breakdown[(name, c)] = pass_breakdown(before["step_ms"], after["step_ms"], secs)
+                if "match" in after:
+                    breakdown[(name, c)]["match"] = match_delta(before["match"], after["match"])
     return passes, breakdown
 
 
@@ -139,6 +160,8 @@ def main(
                                                           "--draft-dtype bfloat16")] = None,
     device: str = "cpu",
     builtin: Annotated[bool, typer.Option(help="Also run SGLang's builtin DSPARK worker on the same draft.")] = True,
+    match: Annotated[bool, typer.Option(help="Also run ours with the hybrid (dspark serve --match).")] = True,
+    train_prompts: Annotated[int, typer.Option(help="GSM8K training questions for --draft bigram-train.")] = 40,
     json_out: Path = Path("out/bench/sglang_speed.json"),
 ) -> None:
     from transformers import AutoTokenizer
@@ -159,6 +182,11 @@ def main(
 
     with serve("--no-draft", log="plain") as s:
         plain, _ = measure(s, sets, max_new_tokens, concurrencies)
+        if draft == "bigram-train":  # the questions after the held-out 50, as the recipe trains on
+            questions = read_prompts(DEFAULT_DATA / "gsm8k.jsonl", HELD_OUT + train_prompts)[HELD_OUT:]
+            outs, _ = run(s, [encode_prompt(tok, t, chat=True) for t in questions], max_new_tokens, 4)
+            draft = str(build_bigram_draft(Path(target), [o["output_ids"] for o in outs],
+                                           Path("out/bench/bigram-train-draft")))
     if draft == "bigram":
         seqs = [p + o["output_ids"] for name, ps in sets.items()
                 for p, o in zip(ps, plain[(name, concurrencies[0])][0], strict=True)]
@@ -178,10 +206,14 @@ def main(
                        str(folder), log="builtin", env=env) as s:
                 builtin_runs, _ = measure(s, sets, max_new_tokens, concurrencies)
     dspark, breakdown, info = {}, {}, {}
-    for dt in draft_dtype or ["float32"]:
-        with serve("--draft", str(Path(draft).resolve()), "--draft-dtype", dt, log=f"dspark-{dt}") as s:
-            dspark[dt], breakdown[dt] = measure(s, sets, max_new_tokens, concurrencies)
-            info[dt] = s.get("/server_info")["internal_states"][0].get("dspark_info_record") or {}
+    runs = [(dt, dt, []) for dt in draft_dtype or ["float32"]]
+    if match:
+        runs.append((f"{runs[0][1]} + match", runs[0][1], ["--match"]))
+    for label, dt, extra in runs:
+        with serve("--draft", str(Path(draft).resolve()), "--draft-dtype", dt, *extra,
+                   log=f"dspark-{label.replace(' ', '')}") as s:
+            dspark[label], breakdown[label] = measure(s, sets, max_new_tokens, concurrencies)
+            info[label] = s.get("/server_info")["internal_states"][0].get("dspark_info_record") or {}
 
     results = []
     for key, base in plain.items():
@@ -191,7 +223,8 @@ def main(
         rows = [row("plain", *base, base, ref), best]
         if builtin_runs is not None:
             rows.append(row("DSPARK builtin (static)", *builtin_runs[key], base, ref, {"note": builtin_note}))
-        rows += [row(f"DSPARK ours (draft {dt})", *dspark[dt][key], base, ref, {"draft_dtype": dt}) for dt in dspark]
+        rows += [row(f"DSPARK ours (draft {dt})", *dspark[dt][key], base, ref,
+                     {"draft_dtype": dt, "match": (breakdown[dt].get(key) or {}).get("match")}) for dt in dspark]
         results.append({"data": key[0], "concurrency": key[1], "rows": rows, "ngram_tried": tried,
                         "dspark_step": {dt: b.get(key) for dt, b in breakdown.items()}})
     result = {
@@ -203,13 +236,15 @@ def main(
     table = Table(title=f"SGLang on {device}, fp32, T=0: plain vs NGRAM (best of k={ngram_tokens}) vs DSPARK builtin "
                         f"vs DSPARK ours ({max_new_tokens} new tokens per prompt)",
                   caption=f"builtin: {builtin_note}; ours' schedule: {result['ours_schedule']}")
-    for col in ("data", "conc.", "method", "tok/s", "vs plain", "accept length", "identical T=0"):
+    for col in ("data", "conc.", "method", "tok/s", "vs plain", "accept length", "identical T=0", "match steps"):
         table.add_column(col, justify="left" if col in ("data", "method") else "right")
     for res in results:
         for r in res["rows"]:
             acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+            m = r.get("match")
             table.add_row(res["data"], str(res["concurrency"]), r["method"], f"{r['tok_s']:.2f}",
-                          f"{r['ratio']:.2f}x", acc, f"{r['identical']}/{r['prompts']}")
+                          f"{r['ratio']:.2f}x", acc, f"{r['identical']}/{r['prompts']}",
+                          "-" if not m or not sum(m["steps"].values()) else f"{m['match_share']:.0%}")
     Console().print(table)
     print_breakdown(results, plain)
     json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,7 @@ def build_vocab(
 
 
 def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule: str, sps: Path | None,
-            block_size: int | None = None, time_split: bool = True, batch_size: int = 1):
+            block_size: int | None = None, time_split: bool = True, batch_size: int = 1, match: bool = False):
     from dspark_sgl.loading import load_pair
     from dspark_sgl.speculative.engine import SpecEngine
 
@@ -148,7 +148,13 @@ def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule
         planner = confidence_planner(tgt, model, sps, max_batch=batch_size)
     elif schedule != "static":
         _fail(f"--schedule must be static or confidence, got {schedule!r}")
-    return SpecEngine(tgt, model, planner, time_split=time_split), tok
+    from dspark_sgl.speculative.match import MatchConfig
+
+    return SpecEngine(tgt, model, planner, time_split=time_split, match=MatchConfig() if match else None), tok
+
+
+MATCH = Annotated[bool, typer.Option("--match", help="Each step verify the draft's block or a match from the "
+                                     "request's own text, whichever is expected to commit more (lossless).")]
 
 
 @app.command()
@@ -164,6 +170,7 @@ def generate(
     schedule: Annotated[str, typer.Option(help="static | confidence.")] = "static",
     sps_table: Path | None = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")] = False,
+    match: MATCH = False,
     block_size: BLOCK = None,
     dtype: DTYPE = "auto",
     seed: int = 0,
@@ -178,7 +185,7 @@ def generate(
     if acceptance not in ("rejection", "block"):
         _fail(f"--acceptance must be rejection or block, got {acceptance!r}")
     try:
-        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size)
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size, match=match)
         ids = encode_prompt(tok, chat if chat is not None else prompt, chat is not None)
         check_context(engine.target, len(ids), max_new_tokens)
     except (FileNotFoundError, ValueError) as e:
@@ -195,6 +202,8 @@ def generate(
               "per_position_accept": g.stats.per_position_accept, "accept_hist": g.stats.accept_hist,
               "draft_s": g.stats.draft_s, "verify_s": g.stats.verify_s, "speculative": engine.draft is not None,
               "draft_step_ms": {k: 1e3 * v / max(g.stats.steps, 1) for k, v in g.stats.draft_split.items()}}
+    if engine.matcher is not None:
+        result["match"] = engine.matcher.counters.to_dict()
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         return
@@ -219,6 +228,7 @@ def eval_cmd(
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     block_size: BLOCK = None,
     no_draft: Annotated[bool, typer.Option("--no-draft")] = False,
+    match: MATCH = False,
     dtype: DTYPE = "auto",
     seed: int = 0,
     json_out: Path | None = None,
@@ -231,7 +241,8 @@ def eval_cmd(
     from dspark_sgl.speculative.engine import SamplingConfig
 
     try:
-        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size, batch_size=batch_size)
+        engine, tok = _engine(target, draft, no_draft, dtype, schedule, sps_table, block_size, batch_size=batch_size,
+                              match=match)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     reports = []
@@ -259,6 +270,10 @@ def eval_cmd(
         cov = r.draft_vocab_coverage
         cov = "" if cov is None else f"; output tokens inside the draft vocabulary {cov:.1%}"
         console.print(f"{r.name}: draft step ms: {split}{cov}")
+        if r.match is not None:
+            acc = r.match["accept_length"]
+            console.print(f"{r.name}: match verified on {r.match['match_share']:.1%} of request-steps; accept length "
+                          f"draft {acc['draft'] or 0:.2f}, match {acc['match'] or 0:.2f}")
         where = plot_dir or (json_out.parent if json_out else None)
         if where is not None:
             stem = f"{json_out.stem}." if json_out and not plot_dir else ""
@@ -266,7 +281,7 @@ def eval_cmd(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report_dict(reports, target=target, draft=draft, temperature=temperature,
-                                                   schedule=schedule), indent=2))
+                                                   schedule=schedule, match=match), indent=2))
 
 
 @app.command("profile-sps")
@@ -352,6 +367,7 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
+    match: MATCH = False,
     speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
                                                        "pays) | on | off. At run time: /set_internal_state "
                                                        "dspark_force_budget_frac.")] = None,
@@ -368,7 +384,7 @@ def serve(
         _fail("give exactly one of --draft DIR or --no-draft")
     try:
         cfg = ServeConfig(resolve_target_dir(target), draft, dtype, device, host, port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype, draft_root=draft_root, speculate=speculate,
+                          draft_dtype=draft_dtype, draft_root=draft_root, match=match, speculate=speculate,
                           speculate_max_batch=speculate_max_batch)
         if python is not None:
             cfg.python = python

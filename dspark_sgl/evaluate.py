@@ -29,6 +29,7 @@ class DatasetReport:
     draft_step_ms: dict[str, float] = field(default_factory=dict)  # per draft step: backbone/lm_head/markov/conf
     draft_vocab_coverage: float | None = None  # reduced vocabulary: share of the output tokens inside it
     step_ms: dict[str, float] = field(default_factory=dict)  # per engine step (batch), by timing.STEP_PHASES
+    match: dict | None = None  # the hybrid (--match): share of request-steps verifying a match, τ by source
 
 
 def iter_jsonl(path: str | Path, what: str, error: type[Exception] = ValueError,
@@ -84,7 +85,20 @@ def summarize(name: str, gens: list[Generation], seconds: float, gamma: int, voc
         verify_s=sum(g.stats.verify_s for g in gens) / max(len(gens), 1),
         draft_step_ms=split,
         draft_vocab_coverage=cov,
+        match=match_report(gens) if any(g.stats.from_match for g in gens) else None,
     )
+
+
+def match_report(gens: list[Generation]) -> dict:
+    """The hybrid's counters over these generations: request-steps per source, the share that verified a match, and
+    the accept length (accepted + bonus per step) by source."""
+    from dspark_sgl.speculative.match import MatchCounters
+
+    counters = MatchCounters()
+    for g in gens:
+        for c, m in zip(g.stats.accepted, g.stats.from_match, strict=True):
+            counters.add(m, c)
+    return counters.to_dict()
 
 
 def evaluate_dataset(
@@ -145,8 +159,9 @@ def confidence_pairs(gens: list[Generation]) -> tuple[torch.Tensor, torch.Tensor
         s = g.stats
         if len(s.confidence) != len(s.verified):  # no confidence head
             continue
-        for conf, acc, ver in zip(s.confidence, s.accepted, s.verified, strict=True):
-            if ver == s.block_size:  # a capped step censors the label
+        matched = s.from_match or [False] * len(s.accepted)
+        for conf, acc, ver, m in zip(s.confidence, s.accepted, s.verified, matched, strict=True):
+            if ver == s.block_size and not m:  # a capped step censors the label; a match's step is not the draft's
                 logits.append(conf)
                 accepted.append(acc)
     if not logits:

@@ -24,6 +24,8 @@ The sites (docs/testing.md has the table of which test catches which):
                       allocator frees the worker's, so the worker has no such site)
     penalty_drafts  - penalties at verify column j count the output history but not the block's drafts x_1..x_j
                       (target_dist.adjust_logits, shared)
+    match_residual  - a rejected match proposal's bonus is drawn from p, not from p without the rejected token x (the
+                      residual of a one-hot q): rows.accept_rows, shared; speculative/match.py's hybrid
     top_p_boundary  - top-p drops the token that crosses the boundary (mass before it <= p, but with it > p)
                       (target_dist._filter, shared)
     seed            - a request's sampling_seed is ignored: seeded rows read the step's generator (rows.step_noise)
@@ -59,8 +61,8 @@ from typing import NoReturn
 ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
-    "kv_rollback", "penalty_drafts", "top_p_boundary", "seed", "rank_sync", "rank_agree", "cost_no_draft",
-    "decide_peek", "export_transpose", "export_d2t",
+    "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
+    "cost_no_draft", "decide_peek", "export_transpose", "export_d2t",
 })
 
 

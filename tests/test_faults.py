@@ -28,6 +28,7 @@ from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_fullcost_rule import alternating, check_decided_before_drafting, check_off_where_the_draft_cannot_pay
+from tests.test_match import hybrid_pvalue
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 pytestmark = pytest.mark.planted
@@ -194,6 +195,7 @@ ENGINE_CHECKS = {
     "penalty_drafts": lambda: check_chi2(penalty_pvalue),
     "top_p_boundary": lambda: check_chi2(top_p_pvalue),
     "seed": check_seed,
+    "match_residual": lambda: check_chi2(lambda: hybrid_pvalue()[0]),  # the hybrid's served joint, 2,000 samples
     "cost_no_draft": check_off_where_the_draft_cannot_pay,
     "decide_peek": check_decided_before_drafting,
 }

@@ -129,6 +129,42 @@ def test_greedy_output_is_identical_to_plain_decoding(dspark, prompt_ids, plain)
     assert info["decode_steps"] > 0 and 1 + info["mean_accepted_drafts"] > 1.2, info
 
 
+def test_the_match_hybrid_is_lossless_and_switched_per_request(dspark, good_draft, prompt_ids, plain, tmp_path):
+    """custom_params {"dspark_match": true} turns the hybrid on for that request alone (the server flag `dspark serve
+    --match` sets the default): each step verifies the draft's block or a match from the request's own text. The
+    bigram draft is pushed again with a confidence head that says 0.05 everywhere (a weak draft as the choice sees it,
+    the same proposals), so that matches win where the text repeats. Output stays identical to plain decoding, and
+    /server_info counts the steps that verified a match. (test_confidence_schedule_... pushes its own draft next.)"""
+    import torch
+
+    from dspark_sgl.model.checkpoint import load_draft, save_draft
+    from training.publish import push
+
+    def counters():
+        return dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]["match"]
+
+    weak = load_draft(good_draft)
+    with torch.no_grad():
+        weak.confidence_head.proj.weight.zero_()
+        weak.confidence_head.proj.bias.fill_(-3.0)
+    assert push(dspark.url, save_draft(weak, tmp_path / "low-confidence"))["success"]
+    before = counters()
+    assert before["default"] is False
+    outs = dspark.generate(prompt_ids, MAX_NEW, custom_params={"dspark_match": True})  # 24 concurrent
+    assert [o["output_ids"] for o in outs] == plain["batched"]
+    after = counters()
+    used = after["steps"]["match"] - before["steps"]["match"]
+    print(f"hybrid, 24 concurrent: {used} of {used + after['steps']['draft'] - before['steps']['draft']} request-steps "
+          f"verified a match, accepting {after['accepted']['match'] - before['accepted']['match']} of their drafts")
+    assert used > 0 and after["accepted"]["match"] > before["accepted"]["match"], (before, after)
+    assert after["unsynced_rows"] == 0  # the host text was at every row's anchor
+    single = dspark.generate(prompt_ids[:1], MAX_NEW, custom_params={"dspark_match": True})[0]["output_ids"]
+    assert single == plain["single"][0]
+    steps = counters()["steps"]
+    assert dspark.generate(prompt_ids[:2], MAX_NEW)[0]["output_ids"] == plain["batched"][0]  # off by default
+    assert counters()["steps"] == steps
+
+
 # A fixed SPS table for the schedule test: flat up to 16 verify tokens per step, then 1000x slower. The worker's verify
 # pads every request to one width, so a step of R requests verifies the widest window with R x width <= 16: width 2
 # (anchor + 1 draft) at 8 requests, whole windows for 2 or fewer, whatever the box's own speed.

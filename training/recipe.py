@@ -120,6 +120,8 @@ class EvalConfig(Section):
     batch_size: int = 1
     baseline: bool | Literal["first"] = True  # also time plain decoding on the same prompts ("first": first set only)
     threads: int | None = None  # torch threads for the eval (it runs on rank 0 alone: give it the idle cores)
+    match: bool = False  # the hybrid (dspark eval --match): each step verifies the draft's block or a match from the
+    # request's own text, whichever is expected to commit more (dspark_sgl/speculative/match.py)
     schedule: Literal["static", "confidence"] = "static"  # confidence: verify lengths from the confidence head (STS
     # temperatures from calibrate_prompts, SPS profiled at start for batch_size full windows)
     # STS: fit the confidence head's temperatures (sts.json in the draft folder, read by the confidence schedule) on

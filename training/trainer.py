@@ -491,7 +491,9 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
         torch.set_num_threads(e.threads)
     target, draft, tok = load_pair(recipe.target.path, str(draft_dir), e.dtype)
     planner = confidence_planner(target, draft, max_batch=e.batch_size) if e.schedule == "confidence" else None
-    engines = {"dspark": SpecEngine(target, draft, planner)}
+    from dspark_sgl.speculative.match import MatchConfig
+
+    engines = {"dspark": SpecEngine(target, draft, planner, match=MatchConfig() if e.match else None)}
     if e.baseline:
         engines["plain"] = SpecEngine(target, None)
     reports = {}
@@ -512,7 +514,8 @@ def final_eval(recipe: Recipe, draft_dir: Path, out: Path, log=print) -> dict:
         log(f"wrote {plot_acceptance(spec, out.parent / f'eval.{rep.name}.accept.png')}")
     result = {name: report_dict([d[name] for d in reports.values() if name in d], draft=str(draft_dir), engine=name,
                                 temperature=e.temperature, dtype=e.dtype,
-                                **({"schedule": e.schedule} if name == "dspark" else {})) for name in engines}
+                                **({"schedule": e.schedule, "match": e.match} if name == "dspark" else {}))
+              for name in engines}
     out.write_text(json.dumps(result, indent=2))
     return result
 

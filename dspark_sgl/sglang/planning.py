@@ -235,9 +235,13 @@ class VerifyPlanner:
 
     def verify_lengths(self, conf_logits: Tensor | None, batch_size: int, device) -> Tensor:
         """Per-request verify length (anchor + scheduled drafts) in [1, γ+1], long, on device (one width for all)."""
+        conf = None if conf_logits is None else self.survival_factors(conf_logits)
+        return self.lengths_from_conf(conf, batch_size, device)
+
+    def lengths_from_conf(self, conf: Tensor | None, batch_size: int, device) -> Tensor:
+        """verify_lengths from survival factors of any proposer (the hybrid's rows mix the draft's and a match's)."""
         lengths = torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
-        if self.policy == "confidence" and conf_logits is not None:
-            conf = self.survival_factors(conf_logits)
+        if self.policy == "confidence" and conf is not None:
             # the worker's verify pads every row to the longest: one width for the batch (the padded rules)
             lengths = schedule(conf, self.sps, "confidence", padded=True) if self.sps is not None \
                 else self.rule.widths(conf)
@@ -253,6 +257,8 @@ class VerifyPlanner:
     def survival_factors(self, conf_logits: Tensor) -> Tensor:
         return apply_sts(conf_logits.float(), self._temps(conf_logits.device))
 
+    calibrated = survival_factors  # the name the hybrid's engines share (speculative/scheduler.py's planners)
+
     def record_step(self, batch_size: int, decision: Decision, width: int) -> None:
         rec = self.buckets.setdefault(batch_bucket(batch_size), BucketRecord())
         rec.steps += 1
@@ -261,7 +267,7 @@ class VerifyPlanner:
             rec.widths[width] = rec.widths.get(width, 0) + 1
 
     def record(self, lengths: Tensor, width: int, accepted: Tensor, decision: Decision,
-               conf_logits: Tensor | None = None) -> None:
+               conf_logits: Tensor | None = None, conf: Tensor | None = None) -> None:
         """A speculative step's outcome: totals, the bucket's predicted vs realized, the rule's acceptance."""
         bs = lengths.numel()
         self.steps += 1
@@ -273,7 +279,8 @@ class VerifyPlanner:
         rec.rows += bs
         rec.predicted += decision.predicted * bs
         rec.realized = rec.realized + (accepted + 1).sum()
-        conf = None if conf_logits is None else self.survival_factors(conf_logits)
+        if conf is None and conf_logits is not None:
+            conf = self.survival_factors(conf_logits)
         self.rule.observe_accept(bs, width, accepted, conf)
 
     def observe_timing(self, meta: dict, seconds: dict[str, float]) -> None:

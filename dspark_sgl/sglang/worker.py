@@ -50,11 +50,14 @@ from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
+from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, plain_tokens, propose, step_noise
 from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
 DRAFT_DTYPE_KEY = "dspark_draft_dtype"  # in --json-model-override-args; `dspark serve --draft-dtype` sets it
+MATCH_KEY = "dspark_match"  # likewise (`dspark serve --match`): the hybrid's default; a request's custom_params may
+# carry the same key to switch it for that request alone
 SPECULATE_KEY = "dspark_speculate"  # auto | on | off (`dspark serve --speculate`)
 SPECULATE_MAX_BATCH_KEY = "dspark_speculate_max_batch"  # larger batches never speculate (`--speculate-max-batch`)
 
@@ -120,6 +123,12 @@ class DSparkWorker(BaseSpecWorker):
         self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context, self.ranks)
         self.traffic = TrafficRecorder.from_server_args()
+        self.match_default = bool(override_arg(MATCH_KEY, False))
+        self.matcher = MatchChooser(MatchConfig())
+        self.match_states: dict[str, MatchState] = {}
+        self._match_unsynced = 0  # request-steps whose host text was not at the anchor (verified the draft instead)
+        self._match_pending: dict[str, tuple[bool, int, int]] = {}  # rid -> (used the match, key, limit), last step
+        self._match_tails: dict[str, list[int] | tuple] = {}  # rid -> its last step's committed tokens (or the result)
         logger.info(
             "dspark-sgl DSparkWorker: block size %d, target layers %s, %s acceptance for sampled requests, "
             "%s verify schedule, draft dtype %s",
@@ -160,6 +169,8 @@ class DSparkWorker(BaseSpecWorker):
         info = {**self.planner.info(), "draft_dtype": dtype_name(self.draft_dtype), "step_ms": self.times.info()}
         info["draft_update"] = {**self.updates.record.to_dict(), "context_epoch": self.context.epoch}
         info["pools"] = self.pool_counts()
+        info["match"] = {"default": self.match_default, "unsynced_rows": self._match_unsynced,
+                         **self.matcher.counters.to_dict()}
         if self.traffic is not None:
             self.traffic.sweep()
             info["traffic"] = self.traffic.info()
@@ -178,6 +189,90 @@ class DSparkWorker(BaseSpecWorker):
     def clear_info_records(self) -> None:
         self.planner.clear()
         self.times.clear()
+        self.matcher.counters.clear()
+
+    # ---- the hybrid: a match from the request's own text (speculative/match.py) ---------------------------------
+    def _match_on(self, req) -> bool:
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        return bool(custom.get(MATCH_KEY, self.match_default))
+
+    def _match_states(self, reqs, lens_cpu) -> list[MatchState | None] | None:
+        """Each request's match index, caught up with its text through this step's anchor, and its last step's outcome
+        recorded; None for a row whose text could not be completed (it verifies the draft), or for every row when no
+        request asks for the match. SGLang appends a step's tokens to req.output_ids only after the next step has
+        run, so the text is the host's origin_input_ids + output_ids followed by the tokens this worker committed in
+        the request's last step (`_match_keep_tails`); only the tokens past what the index holds are read."""
+        on = [self._match_on(r) for r in reqs]
+        if not any(on):
+            return None
+        states, seen = [], {}
+        for r, use, n_kv in zip(reqs, on, lens_cpu.tolist(), strict=True):
+            st = self.match_states.get(r.rid) or self.matcher.new_state()
+            seen[r.rid] = st
+            tail = self._match_tail(r.rid)
+            last = self._match_pending.pop(r.rid, None)
+            if last is not None and tail:
+                self.matcher.record_one(st, *last, len(tail) - 1)  # the last step committed c + 1 tokens
+            text = n_kv + 1  # tokens through the anchor (which has no KV yet)
+            prompt, out = r.origin_input_ids, r.output_ids
+            host, tail_at = len(prompt) + len(out), text - len(tail or ())
+            if host >= tail_at and len(st.index) <= text:
+                st.index.extend([prompt[i] if i < len(prompt) else out[i - len(prompt)]
+                                 for i in range(len(st.index), min(host, text))])
+                st.index.extend((tail or [])[max(len(st.index), host) - tail_at:])
+            synced = len(st.index) == text
+            if use and not synced:
+                if self._match_unsynced < 3:
+                    logger.warning("dspark-sgl match: request %s text %d tokens on the host + %d of its last step, KV "
+                                   "%d: the anchor is not known, verifying the draft", r.rid, host, len(tail or ()),
+                                   n_kv)
+                self._match_unsynced += 1
+            states.append(st if use and synced else None)
+        self.match_states = seen  # requests that left the batch drop their index (rebuilt if they come back)
+        self._match_tails = {rid: self._match_tails[rid] for rid in seen if rid in self._match_tails}
+        return states
+
+    def _match_tail(self, rid: str) -> list[int] | None:
+        """The tokens the request's last step committed (accepted drafts + bonus; after prefill, its first token)."""
+        src = self._match_tails.get(rid)
+        if src is None or isinstance(src, list):
+            return src
+        result, row, stride = src  # an accelerator: read SGLang's host copy of the result once it is done
+        if result.copy_done is not None and not result.copy_done.query():
+            return None
+        ids, acc = result.next_token_ids, result.accept_lens
+        if ids.device.type != "cpu" or (acc is not None and acc.device.type != "cpu"):
+            return None
+        return ids[row * stride : row * stride + (1 if acc is None or stride == 1 else int(acc[row]))].tolist()
+
+    def _match_keep_tails(self, reqs, result, stride: int) -> None:
+        """After a step: where each request's committed tokens are. On a CPU they are host memory and read now (no
+        sync); elsewhere the result is kept and read from its host copy at the request's next step."""
+        if not any(self._match_on(r) for r in reqs) or result.next_token_ids.numel() != len(reqs) * stride:
+            return
+        if not self.on_cpu:
+            for b, r in enumerate(reqs):
+                self._match_tails[r.rid] = (result, b, stride)
+            return
+        ids = result.next_token_ids.tolist()
+        acc = [1] * len(reqs) if result.accept_lens is None or stride == 1 else result.accept_lens.tolist()
+        for b, r in enumerate(reqs):
+            self._match_tails[r.rid] = ids[b * stride : b * stride + acc[b]]
+
+    def _choose(self, reqs, lens_cpu, prop, rows):
+        """The hybrid's choice for this step, or (prop, None) when it is off for every row."""
+        states = None if lens_cpu is None else self._match_states(reqs, lens_cpu)
+        if states is None:
+            return prop, None, None
+        conf = None if prop.conf_logits is None else self.planner.calibrated(prop.conf_logits)
+        choice = self.matcher.choose(states, prop, conf, rows.greedy.cpu(), self.model_runner.model_config.vocab_size)
+        return choice.proposal, choice, states
+
+    def _match_record(self, reqs, choice, width: int) -> None:
+        """Remember each row's source for the next step, which reads its accepted count from the host text."""
+        for r, use, key, cap in zip(reqs, choice.use_match.tolist(), choice.key.tolist(), choice.cap.tolist(),
+                                    strict=True):
+            self._match_pending[r.rid] = (use, key, min(cap, width - 1))
 
     def block_accept_estimate_log_suffix(self):
         return None
@@ -266,6 +361,7 @@ class DSparkWorker(BaseSpecWorker):
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
         if on_publish is not None:
             on_publish(out.new_seq_lens)
+        self._match_keep_tails(batch.reqs, out, 1)
         return out
 
     @torch.no_grad()
@@ -285,12 +381,15 @@ class DSparkWorker(BaseSpecWorker):
 
         decision = self._decide(batch, bs)  # earlier steps' data only: lossless whatever it says
         self.times.mark("decide")
+        choice = None
         if decision.speculate:
-            prop, lengths, w = self._draft(batch, anchor, rows, noise, seq_lens, longest)
+            prop, lengths, w, choice = self._draft(batch, anchor, rows, noise, seq_lens, longest)
             drafts = prop.tokens
         else:
             prop, lengths, w = None, torch.ones(bs, dtype=torch.long, device=self.device), 1
             drafts = anchor.new_zeros(bs, W - 1)
+            for r in batch.reqs:  # an off step's token is not a proposal's outcome
+                self._match_pending.pop(r.rid, None)
         self.times.note(speculate=decision.speculate, width=w)
         verify_ids = torch.cat((anchor[:, None], drafts), 1)
         window = self._window(batch, draft_input, w)
@@ -304,9 +403,12 @@ class DSparkWorker(BaseSpecWorker):
         else:
             rule = "block" if self.block_verification else "rejection"
             limit = (lengths - 2).clamp(min=0) if planted("verify_limit") else lengths - 1
+            if choice is not None:  # a match row accepts at most its k continuation tokens
+                limit = torch.minimum(limit, choice.cap.to(limit.device))
+                self._match_record(batch.reqs, choice, w)
             acc = accept_rows(prop, logits, rows, limit, noise, rule)
             c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
-            self.planner.record(lengths, w, c, decision, prop.conf_logits)
+            self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf)
         self.planner.record_step(bs, decision, w)
         self.times.mark("accept")
         return self._commit(batch, on_publish, logits_output, can_run_graph, window, verify_ids, drafts, lengths, w,
@@ -328,8 +430,12 @@ class DSparkWorker(BaseSpecWorker):
         h = self.draft.forward_step(anchor, ctx)
         self.times.mark("draft")
         prop = propose(self.draft, h, anchor, rows, noise)
+        prop, choice, _ = self._choose(batch.reqs, batch.seq_lens_cpu, prop, rows)
         self.times.mark("rollout")
-        lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
+        if choice is not None and choice.conf is not None:  # the width rule sees the chosen proposals' survival
+            lengths = self.planner.lengths_from_conf(choice.conf, bs, self.device)
+        else:
+            lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         w = self.planner.host_width(prop.conf_logits)  # known on the host without reading lengths, or None
         if batch.return_logprob:  # SGLang's spec logprobs read a full window
             lengths, w = torch.full_like(lengths, W), W
@@ -340,7 +446,7 @@ class DSparkWorker(BaseSpecWorker):
         prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)
         if w is None:
             w = int(lengths.max())
-        return prop, lengths, w
+        return prop, lengths, w, choice
 
     def _commit(self, batch, on_publish, logits_output, can_run_graph, window, verify_ids: Tensor, drafts: Tensor,
                 lengths: Tensor, w: int, c: Tensor, bonus: Tensor, seq_lens: Tensor) -> GenerationBatchResult:
@@ -382,6 +488,7 @@ class DSparkWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
         self._last = (tuple(r.rid for r in batch.reqs), w, result)
+        self._match_keep_tails(batch.reqs, result, W)
         return result
 
     def _window(self, batch, draft_input, width: int):

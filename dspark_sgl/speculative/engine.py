@@ -24,6 +24,7 @@ from torch import Tensor
 from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
+from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
 from dspark_sgl.speculative.scheduler import AdaptivePlanner
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
@@ -49,6 +50,7 @@ class RequestStats:
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step
     verified: list[int] = field(default_factory=list)  # drafts sent to the target per step
     confidence: list[list[float]] = field(default_factory=list)  # raw confidence logits per step (for STS)
+    from_match: list[bool] = field(default_factory=list)  # per step: verified a match from the text (--match)
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_split: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # with time_split
@@ -86,9 +88,12 @@ class Generation:
 
 class SpecEngine:
     def __init__(self, target: HFTarget, draft: DSparkDraft | None = None, planner: VerifyPlanner | None = None,
-                 time_split: bool = False):
-        """time_split: also record where each draft step's time goes (RequestStats.draft_split; syncs on CUDA)."""
+                 time_split: bool = False, match: MatchConfig | None = None):
+        """time_split: also record where each draft step's time goes (RequestStats.draft_split; syncs on CUDA).
+        match: each step verifies the draft's block or a match from the request's own text, whichever is expected to
+        commit more (speculative/match.py; counters in self.matcher.counters)."""
         self.target, self.draft, self.planner, self.time_split = target, draft, planner, time_split
+        self.matcher = MatchChooser(match) if match is not None and draft is not None else None
         # Engine totals over every generate() call (callers difference two readings): seconds per STEP_PHASES phase
         # summed over decode steps, the steps, and the prefill seconds.
         self.step_s, self.steps, self.prefill_s = dict.fromkeys(STEP_PHASES, 0.0), 0, 0.0
@@ -145,6 +150,8 @@ class SpecEngine:
         hist = OutputHistory.from_lists([[] for _ in range(B)], self.target.vocab_size, anchor.device) \
             if bs.any_penalty else None
         self._emit(outs, [[int(t)] for t in anchor], stops, max_new_tokens, hist)
+        matches = None if self.matcher is None else \
+            [self.matcher.new_state(p + o.token_ids) for p, o in zip(prompts, outs, strict=True)]
         live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
         while True:
             clock = StepTimer(STEP_PHASES)
@@ -160,11 +167,14 @@ class SpecEngine:
                 hist = None if hist is None else OutputHistory(hist.counts[sel], hist.length[sel])
                 clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
-                         max_new_tokens, s.acceptance, hist)
+                         max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live])
+            n0 = [len(o.token_ids) for o in step.outs]
             if self.draft is None or not self._speculate(len(live)):
                 anchor = self._plain_step(kv, anchor, step, clock, ctx)
             else:
                 anchor = self._spec_step(kv, ctx, anchor, step, clock)
+            for st, o, n in zip(step.matches or (), step.outs, n0, strict=False):  # the match index sees the text
+                st.index.extend(o.token_ids[n:])
             clock.lap("other")
             for k, v in clock.seconds.items():
                 self.step_s[k] += v
@@ -210,10 +220,22 @@ class SpecEngine:
             timer.seconds["backbone"] += clock.seconds["draft"]
         noise = step.noise(anchor.device)
         prop = propose(draft, h, anchor, step.bs, noise, timer)
+        choice = None
+        if self.matcher is not None:
+            choice = self.matcher.choose(step.matches, prop, self._confidences(prop), step.bs.greedy,
+                                         self.target.vocab_size)
+            prop = choice.proposal
         limit = None
         n_verify = gamma + 1
         if self.planner is not None:
-            limit = (self.planner(prop) - (2 if planted("verify_limit") else 1)).clamp(0, gamma)
+            from_conf = getattr(self.planner, "from_conf", None)  # the confidence and full-cost planners
+            lengths = self.planner(prop) if choice is None or choice.conf is None or from_conf is None \
+                else from_conf(choice.conf)  # the width rule sees the chosen proposals' survival
+            limit = (lengths - (2 if planted("verify_limit") else 1)).clamp(0, gamma)
+        if choice is not None:  # a match row accepts at most its k continuation tokens
+            limit = torch.minimum(limit if limit is not None else torch.full_like(choice.cap, gamma),
+                                  choice.cap.to(anchor.device))
+        if limit is not None:
             n_verify = int(limit.max()) + 1  # the target runs only the longest scheduled prefix
         clock.lap("rollout", prop.tokens)
         verify_ids = torch.cat((anchor[:, None], prop.tokens[:, : n_verify - 1]), 1)
@@ -235,15 +257,19 @@ class SpecEngine:
             sec = clock.seconds
             self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"],
                                            sec["verify"] + sec["accept"] + sec["commit"], res.num_accepted,
-                                           self.planner.survival_factors(prop))
+                                           self.planner.survival_factors(prop) if choice is None else choice.conf)
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
         draft_s, verify_s = sec["draft"] + sec["rollout"] + ctx_s, sec["verify"] + sec["accept"] + sec["commit"] - ctx_s
         emitted = []
+        if choice is not None:
+            self.matcher.record(step.matches, choice, limit.tolist(), res.num_accepted.tolist())
         for b, o in enumerate(outs):
             c = int(res.num_accepted[b])
             if not (o.finished or len(o.token_ids) >= max_new):
                 o.stats.accepted.append(c)
                 o.stats.verified.append(n_verify - 1 if limit is None else int(limit[b]))
+                if choice is not None:
+                    o.stats.from_match.append(bool(choice.use_match[b]))
                 if prop.conf_logits is not None:
                     o.stats.confidence.append(prop.conf_logits[b].tolist())
                 o.stats.draft_s += draft_s
@@ -254,6 +280,18 @@ class SpecEngine:
             emitted.append(prop.tokens[b, :c].tolist() + [int(res.bonus[b])])
         self._emit(outs, emitted, step.stops, max_new, step.history)
         return res.bonus
+
+    def _confidences(self, prop: Proposal) -> Tensor | None:
+        """The draft's calibrated confidences [B, γ] (the planner's STS, else the draft's own), None without a head."""
+        if prop.conf_logits is None:
+            return None
+        calibrated = getattr(self.planner, "calibrated", None)
+        if calibrated is not None:
+            return calibrated(prop.conf_logits)
+        from dspark_sgl.speculative.sts import apply_sts
+
+        temps = self.draft.config.sts_temperatures
+        return apply_sts(prop.conf_logits.float(), None if temps is None else torch.tensor(temps))
 
     @staticmethod
     def _emit(outs: list[Generation], tokens: list[list[int]], stops: list[frozenset[int]], max_new: int,
@@ -284,6 +322,7 @@ class _Step:
     max_new: int
     acceptance: str
     history: OutputHistory | None  # output so far, the anchor included (only when some row has a penalty)
+    matches: list[MatchState] | None = None  # each row's match index (the hybrid, --match)
 
     def noise(self, device):
         if self.bs.seeds is None:

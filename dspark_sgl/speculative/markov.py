@@ -21,6 +21,7 @@ class Proposal:
     logits: Tensor  # [B, γ, K] fp32 step logits ℓ_t = base_t + Markov bias(prev_t), over the draft vocabulary
     conf_logits: Tensor | None  # [B, γ] raw confidence logits (σ(z / T_sts) = P(token t survives | prefix))
     vocab: Tensor | None = None  # [K] target ids of the draft vocabulary (None: K = V, the identity)
+    from_match: Tensor | None = None  # [B] bool: rows whose tokens are a match from the text (one-hot q; match.py)
 
     def q(self, temperature: float, n: int, vocab_size: int) -> Tensor:
         """q [B, n, V] of the first n drafts over the target vocabulary (zero outside a reduced draft vocabulary)."""

@@ -16,7 +16,7 @@ from torch import Tensor
 from dspark_sgl.faults import planted
 from dspark_sgl.kernels.accept import block_accept_dispatch, greedy_accept_dispatch, rejection_accept_dispatch
 from dspark_sgl.kernels.accept_reference import Acceptance
-from dspark_sgl.kernels.noise import BONUS, Noise, sample_u
+from dspark_sgl.kernels.noise import BONUS, Noise, sample, sample_u
 from dspark_sgl.model.draft import DSparkDraft
 from dspark_sgl.speculative.markov import Proposal, rollout
 from dspark_sgl.speculative.target_dist import (
@@ -75,4 +75,10 @@ def accept_rows(prop: Proposal, logits: Tensor, s: BatchSampling, limit: Tensor 
         return greedy_accept_dispatch(x, logits, limit)
     p = probs_from_logits(logits, s)
     q = draft_dist(prop.logits[:, : W - 1], x, s, prop.vocab, logits.shape[-1])  # zero outside a K-token vocab
-    return SAMPLED_RULES[rule](x, q, p, limit, noise)
+    res = SAMPLED_RULES[rule](x, q, p, limit, noise)
+    if planted("match_residual") and prop.from_match is not None:  # a rejected match's bonus ~ p, x kept in it
+        c = res.num_accepted
+        rejected = prop.from_match & (c < (W - 1 if limit is None else limit.clamp(max=W - 1)))
+        row = p.gather(1, c[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
+        res.bonus = torch.where(rejected, sample(row, noise), res.bonus)
+    return res

@@ -194,8 +194,18 @@ class ConfidencePlanner:
             return static_verify_lengths(num_requests, gamma, proposal.tokens.device)
         if proposal.conf_logits is None:
             raise ValueError("the 'confidence' schedule needs a draft with a confidence head")
-        logits = proposal.conf_logits.float()
-        return schedule(apply_sts(logits, self._temperatures(logits.device)), self.sps, "confidence", self.padded)
+        return self.from_conf(self.calibrated(proposal.conf_logits))
+
+    def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """The STS-calibrated confidences [B, γ] of raw confidence logits."""
+        logits = conf_logits.float()
+        return apply_sts(logits, self._temperatures(logits.device))
+
+    def from_conf(self, conf: torch.Tensor) -> torch.Tensor:
+        """Verify lengths from calibrated confidences (the hybrid's rows mix the draft's and a match's: match.py)."""
+        if self.policy == "static":
+            return static_verify_lengths(conf.shape[0], conf.shape[1], conf.device)
+        return schedule(conf, self.sps, "confidence", self.padded)
 
     def _temperatures(self, device: torch.device) -> torch.Tensor | None:
         # Cached per device: a fresh host->device copy every step would be a sync point.
@@ -590,13 +600,19 @@ class AdaptivePlanner:
         return self.rule.decide(batch_size)
 
     def survival_factors(self, proposal: Proposal) -> torch.Tensor | None:
-        if proposal.conf_logits is None:
-            return None
-        temps = None if self.temperatures is None else torch.as_tensor(self.temperatures, device=proposal.tokens.device)
-        return apply_sts(proposal.conf_logits.float(), temps)
+        return None if proposal.conf_logits is None else self.calibrated(proposal.conf_logits)
+
+    def calibrated(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """The STS-calibrated confidences [B, γ] of raw confidence logits."""
+        temps = None if self.temperatures is None else torch.as_tensor(self.temperatures, device=conf_logits.device)
+        return apply_sts(conf_logits.float(), temps)
+
+    def from_conf(self, conf: torch.Tensor) -> torch.Tensor:
+        """Verify lengths from survival factors of any proposer (the hybrid's rows: match.py)."""
+        return self.rule.widths(conf)
 
     def __call__(self, proposal: Proposal) -> torch.Tensor:
         conf = self.survival_factors(proposal)
         if conf is None:
             return static_verify_lengths(*proposal.tokens.shape, proposal.tokens.device)
-        return self.rule.widths(conf)
+        return self.from_conf(conf)
