@@ -23,6 +23,7 @@ from dspark_sgl.sglang.planning import VerifyPlanner
 from dspark_sgl.sglang.ranks import RankSync
 from dspark_sgl.sglang.sampling import SlotTokens
 from dspark_sgl.speculative.rows import accept_rows, propose, step_noise
+from dspark_sgl.speculative.scheduler import FullCostRule, RuleConfig
 from dspark_sgl.speculative.sps import SpsTable
 from dspark_sgl.speculative.target_dist import BatchSampling, RequestSampling, adjust_logits
 from tests.conftest import tiny_draft_config
@@ -56,7 +57,7 @@ def make_rows(mode: str, B: int) -> BatchSampling:
 
 
 def planner(schedule: str) -> VerifyPlanner:
-    p = VerifyPlanner(schedule, GAMMA)
+    p = VerifyPlanner(schedule, GAMMA, FullCostRule(GAMMA, config=RuleConfig(mode="on")))
     if schedule == "confidence":  # verify cost steep in tokens: the schedule trims
         p.sps = SpsTable(list(range(1, 64)), [100.0 / t for t in range(1, 64)])
     return p
