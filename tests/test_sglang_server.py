@@ -150,7 +150,13 @@ def test_the_match_hybrid_is_lossless_and_switched_per_request(dspark, good_draf
     assert push(dspark.url, save_draft(weak, tmp_path / "low-confidence"))["success"]
     before = counters()
     assert before["default"] is False
-    outs = dspark.generate(prompt_ids, MAX_NEW, custom_params={"dspark_match": True})  # 24 concurrent
+    # Speculate on every step (full width): the full-cost rule would run this weak-looking draft's steps as off steps,
+    # which verify no proposal at all, and this test is about the hybrid's choice and its losslessness.
+    force(dspark, 0.99)
+    try:
+        outs = dspark.generate(prompt_ids, MAX_NEW, custom_params={"dspark_match": True})  # 24 concurrent
+    finally:
+        force(dspark, 1.0)
     assert [o["output_ids"] for o in outs] == plain["batched"]
     after = counters()
     used = after["steps"]["match"] - before["steps"]["match"]
