@@ -16,6 +16,7 @@ Run: `pytest -m slow tests/test_sglang_hybrid.py` (see test_sglang_server.py for
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -80,10 +81,12 @@ def dspark_args(draft: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dspark(target_dir, draft, tmp_path_factory):
-    """The confidence schedule with no SPS table: the worker probes the live engine (inside HybridState.preserved)."""
-    sps = tmp_path_factory.mktemp("sps") / "sps.json"
-    with Server(target_dir, dspark_args(draft, "--speculative-dspark-sps-table-path", str(sps)),
+    """The confidence schedule with no SPS table: the full-cost rule learns the step costs from the served steps and
+    writes them to the table path (no probe step runs: nothing outside a request touches the hybrid's state)."""
+    costs = tmp_path_factory.mktemp("costs") / "costs.json"
+    with Server(target_dir, dspark_args(draft, "--speculative-dspark-sps-table-path", str(costs)),
                 dict(HYBRID_SERVER_ENV)) as s:
+        s.cost_file = costs
         yield s
 
 
@@ -99,7 +102,8 @@ def test_greedy_dspark_is_token_identical_on_kda_mla_hybrid(dspark, prompt_ids, 
     # expected 18-19 accepted drafts per request (CI rehearsal of 2026-12-04, 2-core Xeon); the confidence schedule
     # trims by the measured SPS table, so only "some": the exact counts are test_static_full_window_commits_are_exact's
     assert sum(accepted) > 0  # drafts were accepted, so commits with c > 0 (mixed within batches) happened
-    assert "dspark-sgl SPS table" in dspark.log()  # the probe ran on this hybrid before the outputs above
+    dspark.get("/server_info")  # writes the learnt costs now
+    assert "1" in json.loads(dspark.cost_file.read_text())["buckets"]  # learnt on this hybrid from the steps above
     single = dspark.generate([prompt_ids[0]], MAX_NEW)[0]["output_ids"]
     assert single == plain[0]
 
