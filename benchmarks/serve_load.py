@@ -52,6 +52,9 @@ from dspark_sgl.sglang.cpu import server_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
 from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
+from sglang_speed import builtin_draft  # noqa: E402
+
+from dspark_sgl.sglang.cpu.builtin import HARNESS_ENV  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 KEYS = ("completed", "duration", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
@@ -190,7 +193,8 @@ def main(
     max_running_requests: int = 64,
     ngram_tokens: Annotated[int, typer.Option(help="NGRAM's draft-token budget.")] = 8,
     only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, plain-no-overlap, ngram, "
-                                                       "dspark, dspark-off (repeatable; default all).")] = None,
+                                                       "dspark, dspark-match, dspark-match-only, dspark-off, "
+                                                       "builtin (repeatable; default all).")] = None,
     out: Path = Path("out/bench/serve_load_adaptive.json"),
     plot_path: Annotated[Path | None, typer.Option("--plot")] = None,
 ) -> None:
@@ -217,10 +221,23 @@ def main(
                    "ngram": (f"NGRAM k={ngram_tokens}", ["--no-draft", "--speculative-algorithm", "NGRAM",
                                                         "--speculative-num-draft-tokens", str(ngram_tokens)]),
                    "dspark": ("DSPARK ours (auto)", ["--draft", d]),
-                   "dspark-off": ("DSPARK ours (off)", ["--draft", d, "--speculate", "off"])}
+                   "dspark-match": ("DSPARK ours (auto + match)", ["--draft", d, "--match"]),
+                   "dspark-match-only": ("DSPARK ours (match only)", ["--draft", d, "--speculate", "match"]),
+                   "dspark-off": ("DSPARK ours (off)", ["--draft", d, "--speculate", "off"]),
+                   "builtin": ("DSPARK builtin", [])}
         unknown = set(only or []) - set(catalog)
         if unknown:
             raise typer.BadParameter(f"--only takes {sorted(catalog)}, not {sorted(unknown)}")
+        envs = {}
+        if not only or "builtin" in only:  # SGLang's own DSPARK worker on the same draft (greedy: this tool's T = 0)
+            folder, note = builtin_draft(draft.resolve(), Path(tmp) / "builtin-draft")
+            console.print(f"builtin DSPARK: {note}")
+            if folder is None:
+                catalog.pop("builtin")
+            else:
+                catalog["builtin"] = ("DSPARK builtin", ["--no-draft", "--speculative-algorithm", "DSPARK",
+                                                         "--speculative-draft-model-path", str(folder)])
+                envs["DSPARK builtin"] = {**HARNESS_ENV, "SGLANG_RAGGED_VERIFY_MODE": "static"}
         methods = dict(v for k, v in catalog.items() if not only or k in only)
         prompt_files = {}  # set name -> (the tool's JSONL, the prompts)
         for file in data:
@@ -236,8 +253,8 @@ def main(
         with contextlib.ExitStack() as stack:
             for method, args in methods.items():  # all up at once, driven one at a time
                 servers[method] = stack.enter_context(ServeCommand(
-                    Path(target), serve_args=["--device", "cpu", *args, *common],
-                    log_path=Path(tmp) / f"{method.split()[0]}.log"))
+                    Path(target), serve_args=["--device", "cpu", *args, *common], env=envs.get(method, {}),
+                    log_path=Path(tmp) / f"{method.replace(' ', '_').replace('(', '').replace(')', '')}.log"))
             names = list(methods)
             for rep in range(repeats):
                 for name, (prompts, texts) in prompt_files.items():
@@ -256,7 +273,7 @@ def main(
                             runs.append({**row, "tool_record": rec})
                             write_record(out, inputs, runs, info, identity, complete=False)  # a cut run keeps these
             info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
-                    for m in names if m.startswith("DSPARK")}
+                    for m in names if m.startswith("DSPARK ours")}
             write_record(out, inputs, runs, info, identity, complete=False)
             identity = t0_identity(servers, target, prompt_files, output_len)
     rows = write_record(out, inputs, runs, info, identity, complete=True)

@@ -369,7 +369,9 @@ def serve(
                                                          "(symlinks resolved).")] = None,
     match: MATCH = False,
     speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
-                                                       "pays) | on | off. At run time: /set_internal_state "
+                                                       "pays) | on | off | match (never draft; verify matches "
+                                                       "from the request's text where they pay; implies --match). "
+                                                       "At run time: /set_internal_state "
                                                        "dspark_force_budget_frac.")] = None,
     speculate_max_batch: Annotated[int | None, typer.Option(help="Batches larger than this never speculate.")] = None,
     host: str = "127.0.0.1",

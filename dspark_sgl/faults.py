@@ -62,7 +62,7 @@ ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
-    "cost_no_draft", "decide_peek", "export_transpose", "export_d2t",
+    "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats",
 })
 
 

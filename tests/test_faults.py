@@ -28,7 +28,7 @@ from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_fullcost_rule import alternating, check_decided_before_drafting, check_off_where_the_draft_cannot_pay
-from tests.test_match import hybrid_pvalue
+from tests.test_match import check_match_steps_skip_the_draft, hybrid_pvalue
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 pytestmark = pytest.mark.planted
@@ -198,6 +198,7 @@ ENGINE_CHECKS = {
     "match_residual": lambda: check_chi2(lambda: hybrid_pvalue()[0]),  # the hybrid's served joint, 2,000 samples
     "cost_no_draft": check_off_where_the_draft_cannot_pay,
     "decide_peek": check_decided_before_drafting,
+    "match_step_stats": check_match_steps_skip_the_draft,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}

@@ -6,6 +6,9 @@
 - The reference engine with the hybrid: token-identical to plain decoding at T = 0, and its served joint distribution
   of three tokens equals the enumeration (chi-square) under rejection and block verification, top-p, and a reduced
   draft vocabulary. tests/test_faults.py plants `match_residual` (the residual keeps x) and shows the chi-square fail.
+- Match steps: where the full-cost rule is off for the draft, the matches alone are verified with no draft pass
+  (FullCostRule.match_width): T = 0 identical, the served joint equal to the enumeration, no draft forward on them,
+  and their acceptance kept out of the draft's statistics (tests/test_faults.py plants `match_step_stats`).
 """
 
 from __future__ import annotations
@@ -147,6 +150,66 @@ def test_t0_output_is_token_identical_to_plain_decoding_with_the_hybrid():
     assert engine.matcher.counters.steps["match"] > 0
 
 
+def slow_draft_planner(gamma: int, batch_size: int, pass_rate: float = 0.3):
+    """The full-cost rule off for the draft (a 30 ms draft before a ~10 ms verify never pays) and match steps priced:
+    a plain step 10 ms, a width-w verify 10 + (w - 1) ms."""
+    from dspark_sgl.speculative.scheduler import AdaptivePlanner
+    from tests.test_fullcost_rule import rule_with, table
+
+    after = [0.010 + 0.001 * (w - 1) for w in range(1, gamma + 2)]
+    return AdaptivePlanner(rule_with(table(gamma, 0.010, 0.030, after, batch_size), pass_rate))
+
+
+def check_match_steps_skip_the_draft() -> tuple[bool, str]:
+    """With the rule off for the draft, the hybrid's steps are match steps: T=0 output identical to plain decoding,
+    matches verified and accepted, no draft forward at all, and the rule's draft statistics untouched (a match's
+    acceptance taken as the draft's would turn a useless draft on)."""
+    target = HFTarget(tiny_llama(), [0, 2])
+    ref = SpecEngine(target).generate(REPEATS, 24)
+    torch.manual_seed(1)
+    draft = DSparkDraft(draft_config_for(target, block_size=4))
+    planner = slow_draft_planner(4, len(REPEATS))
+    tested = planner.rule.overall.tested.clone()
+    calls = []
+    forward = draft.forward_step
+    draft.forward_step = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    engine = SpecEngine(target, draft, planner, match=MatchConfig())
+    out = engine.generate(REPEATS, 24)
+    counters = engine.matcher.counters.to_dict()
+    same = [o.token_ids for o in out] == [r.token_ids for r in ref]
+    untouched = torch.equal(planner.rule.overall.tested, tested)
+    ok = same and counters["accepted"]["match"] > 0 and not calls and untouched
+    return ok, (f"identical {same}, match steps {counters['steps']['match']} accepting {counters['accepted']['match']},"
+                f" draft passes {len(calls)}, draft statistics untouched {untouched}")
+
+
+def test_match_steps_verify_the_matches_without_a_draft_pass():
+    ok, detail = check_match_steps_skip_the_draft()
+    assert ok, detail
+
+
+def test_match_width_prices_the_matches_against_a_plain_step():
+    """A match step's width from the match survival: wider while the expected tokens pay for the extra columns, 1
+    where nothing matched or the operator said off / capped the batch."""
+    rule = slow_draft_planner(4, 4).rule
+    assert rule.match_width(4, torch.zeros(4, 4)) == 1
+    sure = torch.ones(4, 4)  # every row's match of 4 tokens is accepted: the full window pays
+    assert rule.match_width(4, sure) == 5
+    # per row 1 + 0.5 + 0.25 = 1.75 tokens in 12 ms (146/s) beats 1.5 in 11 (136/s) and 1.875 in 13 (144/s)
+    half = torch.tensor([[0.5, 0.25, 0.125, 0.0625]]).expand(4, 4)
+    assert rule.match_width(4, half) == 3
+    thin = torch.tensor([[0.05, 0.0, 0.0, 0.0]]).expand(4, 4)  # 1.05 in 11 ms does not beat 1 in 10 ms
+    assert rule.match_width(4, thin) == 1
+    from dspark_sgl.speculative.scheduler import FullCostRule, RuleConfig
+
+    cold = FullCostRule(4, config=RuleConfig(mode="match"))  # nothing timed yet: the longest match's width
+    assert not cold.decide(2).speculate and cold.match_width(2, torch.tensor([[0.5, 0.4, 0, 0], [0.5, 0, 0, 0]])) == 3
+    assert cold.match_width(2, torch.zeros(2, 4)) == 1
+    capped = slow_draft_planner(4, 4).rule
+    capped.config = type(capped.config)(**{**capped.config.__dict__, "max_batch": 2})
+    assert capped.match_width(4, sure) == 1 and capped.match_width(2, sure) == 5
+
+
 def full_cost_planner(gamma: int, batch_size: int):
     """issue 41's full-cost rule on a table where speculation pays and a wider verify costs more: the width rule
     trims by the chosen proposals' survival."""
@@ -157,7 +220,7 @@ def full_cost_planner(gamma: int, batch_size: int):
 
 
 def hybrid_pvalue(n: int = 2000, seed: int = 7, acceptance: str = "rejection", top_p: float = 1.0,
-                  reduced: bool = False, full_cost: bool = False) -> tuple[float, float]:
+                  reduced: bool = False, full_cost: bool = False, match_steps: bool = False) -> tuple[float, dict]:
     """(chi-square p of the served joint of 3 tokens vs the enumeration, share of request-steps that verified the
     match): the V = 6 target and random draft, a prompt whose suffix occurred before, the hybrid on. The confidence
     head's bias is lowered by 2 so that c_1 and the match's first estimate (0.5) compete: both kinds of row
@@ -175,20 +238,29 @@ def hybrid_pvalue(n: int = 2000, seed: int = 7, acceptance: str = "rejection", t
         draft.confidence_head.proj.bias -= 2.0
     exact = exact_three_token_distribution(model, PROMPT_M, 1.0, top_p, V3)
     planner = full_cost_planner(draft.config.block_size, n) if full_cost else None
+    if match_steps:  # the rule off for the draft: the matches alone, as match steps
+        planner = slow_draft_planner(draft.config.block_size, n)
     engine = SpecEngine(target, draft, planner, match=MatchConfig())
     out = engine.generate([PROMPT_M] * n, 3, SamplingConfig(temperature=1.0, top_p=top_p, acceptance=acceptance,
                                                             seed=seed))
     seqs = torch.tensor([o.token_ids for o in out])
     counts = torch.bincount(seqs[:, 0] * V3 * V3 + seqs[:, 1] * V3 + seqs[:, 2], minlength=V3**3)
-    return chi2_pvalue(counts, exact), engine.matcher.counters.to_dict()["match_share"]
+    return chi2_pvalue(counts, exact), engine.matcher.counters.to_dict()
 
 
 @pytest.mark.parametrize("acceptance,top_p,reduced,full_cost", [("block", 0.8, False, False),
                                                                 ("rejection", 1.0, True, True)])
 def test_served_distribution_with_the_hybrid_is_the_targets(acceptance, top_p, reduced, full_cost):
-    p, share = hybrid_pvalue(acceptance=acceptance, top_p=top_p, reduced=reduced, full_cost=full_cost)
+    p, counters = hybrid_pvalue(acceptance=acceptance, top_p=top_p, reduced=reduced, full_cost=full_cost)
     assert p > 1e-3
-    assert 0.05 < share < 0.95, share  # both kinds of row were verified
+    assert 0.05 < counters["match_share"] < 0.95, counters  # both kinds of row were verified
+
+
+@pytest.mark.parametrize("acceptance,top_p", [("rejection", 1.0), ("block", 0.8)])
+def test_served_distribution_with_match_steps_is_the_targets(acceptance, top_p):
+    p, counters = hybrid_pvalue(acceptance=acceptance, top_p=top_p, match_steps=True)
+    assert p > 1e-3
+    assert counters["steps"]["draft"] == 0 and counters["steps"]["match"] > 500, counters  # match steps, no draft
 
 
 def test_the_choice_prefers_the_source_that_pays():

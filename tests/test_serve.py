@@ -124,7 +124,7 @@ def test_draft_dtype_travels_in_the_override_args_merged_with_the_users(folders,
     (dict(draft_dtype="fp7"), "--draft-dtype must be one of"),
     (dict(draft_dtype="bfloat16", no_draft=True), "--draft-dtype needs --draft"),
     (dict(draft_dtype="bfloat16", extra=["--json-model-override-args", "{oops"]), "must be one JSON object"),
-    (dict(speculate="sometimes"), "--speculate must be auto, on or off"),
+    (dict(speculate="sometimes"), "--speculate must be one of auto, on, off, match"),
     (dict(speculate_max_batch=-1), "--speculate-max-batch must be >= 0"),
     (dict(speculate="off", no_draft=True), "--speculate / --speculate-max-batch need --draft"),
 ])

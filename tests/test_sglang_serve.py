@@ -81,18 +81,23 @@ def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, pl
     assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]
 
     # The step costs learnt on the way (the full-cost rule's table, from the served steps' own timings) are kept for
-    # this engine; a restart loads them instead of learning anew.
+    # this engine; a restart loads them instead of learning anew. The restart runs `--speculate match` (never draft;
+    # an off step verifies the request's matches from its own text where the loaded costs say they pay): match steps,
+    # with no draft row at all, and the same tokens.
     (file,) = cache.glob("*.json")
     saved = json.loads(file.read_text())
     one = saved["buckets"]["1"]  # single requests ran, so batch bucket 1 has timings of the steps it took
     assert one["off"] or one["draft"], saved
-    with ServeCommand(smollm2_dir, serve_args=args, env=env) as s:
+    with ServeCommand(smollm2_dir, serve_args=[*args, "--speculate", "match"], env=env) as s:
         again = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:2]]
         info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]
         log = s.log()
     assert again == plain["single"][:2]
     assert f"loaded from {file}" in log and "learnt from the served steps" not in log, log[-3000:]
     assert "1" in info["rule"] and info["sps_table"] is None and info["decode_steps"] > 0
+    print(f"--speculate match: bucket 1 {info['buckets']['1']}, match counters {info['match']}")
+    assert info["buckets"]["1"]["match_step_share"] > 0 and info["match"]["steps"]["draft"] == 0, info
+    assert info["match"]["accepted"]["match"] > 0, info["match"]
 
 
 def test_ngram_serve_is_lossless(smollm2_dir, prompt_ids, plain):

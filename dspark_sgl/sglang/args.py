@@ -70,7 +70,11 @@ def handle_dspark_args(server_args) -> None:
         speculative_num_draft_tokens=draft.block_size + 1,
     )
     if cfg.max_running_requests is None:
+        # SGLang's own default for every speculative algorithm (speculative_hook.py: _handle_dspark, _handle_dflash,
+        # _handle_eagle_family, _handle_ngram, _handle_frozen_kv_mtp all resolve 48), so DSPARK matches the builtin
         declare_resolution(server_args, SOURCE, max_running_requests=48)
+        logger.info("dspark-sgl DSPARK: max_running_requests 48 (SGLang's default for speculative decoding; "
+                    "--max-running-requests N to change it)")
     if getattr(cfg, "enable_watermark", False):
         raise ValueError("dspark-sgl DSPARK does not support --enable-watermark: the watermark replaces how tokens "
                          "are drawn, which speculative verification cannot reproduce; drop one of the two")

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dspark_sgl.faults import planted
 from dspark_sgl.sglang.steptime import costs_of_step
 from dspark_sgl.speculative.scheduler import (
     CostTable,
@@ -110,7 +111,8 @@ class BucketRecord:
     predicted vs realized tokens per request of the speculative steps (realized stays on the device)."""
 
     steps: int = 0
-    speculated: int = 0
+    speculated: int = 0  # the match steps included
+    match_steps: int = 0  # steps that verified matches from the text alone (no draft pass)
     widths: dict[int, int] = field(default_factory=dict)
     rows: int = 0  # request-steps that speculated
     predicted: float = 0.0  # summed over those request-steps: 1 + E[accepted] as predicted before drafting
@@ -119,6 +121,7 @@ class BucketRecord:
     def to_dict(self) -> dict:
         n = max(self.rows, 1)
         return {"steps": self.steps, "speculated_share": round(self.speculated / max(self.steps, 1), 4),
+                "match_step_share": round(self.match_steps / max(self.steps, 1), 4),
                 "width_hist": {str(w): c for w, c in sorted(self.widths.items())},
                 "predicted_accept_length": round(self.predicted / n, 4) if self.rows else None,
                 "realized_accept_length": round(float(self.realized) / n, 4) if self.rows else None}
@@ -233,6 +236,11 @@ class VerifyPlanner:
             return Decision(self.forced_width > 1, "forced")
         return self.rule.decide(batch_size)
 
+    def match_allowed(self, decision: Decision) -> bool:
+        """May an off step verify the hybrid's matches instead (FullCostRule.match_width prices it)? Not when the
+        operator forced the step (the run-time switch or mode "off"): forced off means plain decoding."""
+        return not decision.speculate and decision.why != "forced" and self.forced_width is None
+
     def verify_lengths(self, conf_logits: Tensor | None, batch_size: int, device) -> Tensor:
         """Per-request verify length (anchor + scheduled drafts) in [1, γ+1], long, on device (one width for all)."""
         conf = None if conf_logits is None else self.survival_factors(conf_logits)
@@ -262,6 +270,7 @@ class VerifyPlanner:
     def record_step(self, batch_size: int, decision: Decision, width: int) -> None:
         rec = self.buckets.setdefault(batch_bucket(batch_size), BucketRecord())
         rec.steps += 1
+        rec.match_steps += decision.why == "match"
         if decision.speculate:
             rec.speculated += 1
             rec.widths[width] = rec.widths.get(width, 0) + 1
@@ -279,6 +288,8 @@ class VerifyPlanner:
         rec.rows += bs
         rec.predicted += decision.predicted * bs
         rec.realized = rec.realized + (accepted + 1).sum()
+        if decision.why == "match" and not planted("match_step_stats"):
+            return  # a match step's acceptance is the matcher's (per request and match length), never the draft's
         if conf is None and conf_logits is not None:
             conf = self.survival_factors(conf_logits)
         self.rule.observe_accept(bs, width, accepted, conf)
@@ -288,7 +299,9 @@ class VerifyPlanner:
         the rest at its width; an off step: its whole time)."""
         bs, spec = meta["batch_size"], meta["speculate"]
         draft_s, after_s = costs_of_step(seconds)
-        if spec:
+        if meta.get("match"):  # no draft pass: T_after(width) only
+            self.rule.observe_match(bs, int(meta["width"]), after_s)
+        elif spec:
             self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s)
         else:
             self.rule.observe_off(bs, after_s)

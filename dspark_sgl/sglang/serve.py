@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dspark_sgl.dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, cpu_server_flags, probe, server_env, tp_size_of
+from dspark_sgl.speculative.scheduler import MODES
 
 SGLANG_VERSION = "0.5.23"
 DEVICES = ("cpu", "cuda")
@@ -42,7 +43,7 @@ class ServeConfig:
     draft_dtype: str | None = None  # None: the target's; a bf16 draft beside an fp32 target stays lossless
     draft_root: Path | None = None  # None: disk updates may load any folder; else only folders inside this one
     match: bool = False  # the hybrid: each step verifies the draft's block or a match from the request's own text
-    speculate: str | None = None  # auto (the full-cost rule) | on | off; None: auto (static schedule: on)
+    speculate: str | None = None  # auto (the full-cost rule) | on | off | match; None: auto (static schedule: on)
     speculate_max_batch: int | None = None  # larger batches never speculate
 
     def validate(self) -> None:
@@ -56,8 +57,8 @@ class ServeConfig:
             raise ServeError("--draft-dtype needs --draft")
         if self.match and self.draft is None:
             raise ServeError("--match needs --draft (it chooses between the draft's block and a match)")
-        if self.speculate is not None and self.speculate not in ("auto", "on", "off"):
-            raise ServeError(f"--speculate must be auto, on or off, got {self.speculate!r}")
+        if self.speculate is not None and self.speculate not in MODES:
+            raise ServeError(f"--speculate must be one of {', '.join(MODES)}, got {self.speculate!r}")
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
             raise ServeError(f"--speculate-max-batch must be >= 0, got {self.speculate_max_batch}")
         if (self.speculate is not None or self.speculate_max_batch is not None) and self.draft is None:

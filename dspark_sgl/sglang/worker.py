@@ -50,8 +50,9 @@ from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
-from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
+from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, plain_tokens, propose, step_noise
+from dspark_sgl.speculative.scheduler import Decision
 from dspark_sgl.speculative.target_dist import adjust_logits
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class DSparkWorker(BaseSpecWorker):
         self._last: tuple[tuple, int, GenerationBatchResult] | None = None  # (requests, width, result) of last step
         self.updates = DraftUpdater(lambda: self.draft, self._install_draft, self._invalidate_context, self.ranks)
         self.traffic = TrafficRecorder.from_server_args()
-        self.match_default = bool(override_arg(MATCH_KEY, False))
+        self.match_default = bool(override_arg(MATCH_KEY, False)) or self.planner.rule.config.mode == "match"
         self.matcher = MatchChooser(MatchConfig())
         self.match_states: dict[str, MatchState] = {}
         self._match_unsynced = 0  # request-steps whose host text was not at the anchor (verified the draft instead)
@@ -368,7 +369,8 @@ class DSparkWorker(BaseSpecWorker):
     def _forward_decode(self, batch, on_publish) -> GenerationBatchResult:
         """decide -> [draft -> rollout -> width] -> verify -> accept -> commit. An off step (the rule's "no") verifies
         the anchor alone (a width-1 verify is a plain decode step: SGLang's window, capture and KV slots as usual)
-        and draws the next token from the target's distribution exactly as plain decoding does."""
+        and draws the next token from the target's distribution exactly as plain decoding does. A match step (the
+        rule's "no", but the hybrid's matches from the text pay without a draft pass) verifies those alone."""
         draft_input: DFlashDraftInputV2 = batch.spec_info
         bs, W = len(batch.seq_lens), self.verify_width
         self.times.start(batch_size=bs)
@@ -380,17 +382,24 @@ class DSparkWorker(BaseSpecWorker):
         longest = int(lens_cpu.max()) if lens_cpu is not None else None
 
         decision = self._decide(batch, bs)  # earlier steps' data only: lossless whatever it says
+        match = None if decision.speculate else self._match_step(batch, bs, decision)
         self.times.mark("decide")
         choice = None
         if decision.speculate:
             prop, lengths, w, choice = self._draft(batch, anchor, rows, noise, seq_lens, longest)
+            drafts = prop.tokens
+        elif match is not None:  # a match step: the rows' matches alone, no draft pass (a row without one: its anchor)
+            choice, w, decision = match
+            prop = choice.proposal
+            lengths = choice.cap.clamp(max=w - 1).to(self.device) + 1
+            prop.tokens, lengths = self.ranks.share(prop.tokens, lengths)
             drafts = prop.tokens
         else:
             prop, lengths, w = None, torch.ones(bs, dtype=torch.long, device=self.device), 1
             drafts = anchor.new_zeros(bs, W - 1)
             for r in batch.reqs:  # an off step's token is not a proposal's outcome
                 self._match_pending.pop(r.rid, None)
-        self.times.note(speculate=decision.speculate, width=w)
+        self.times.note(speculate=decision.speculate, width=w, match=decision.why == "match")
         verify_ids = torch.cat((anchor[:, None], drafts), 1)
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
@@ -422,6 +431,25 @@ class DSparkWorker(BaseSpecWorker):
             flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
             decision.speculate = bool(self.ranks.share(flag)[0])
         return decision
+
+    def _match_step(self, batch, bs: int, decision: Decision) -> tuple[Choice, int, Decision] | None:
+        """Where the rule said off: (the rows' matches from their own text, the width, the step's Decision) when a
+        step that verifies them alone, with no draft pass, pays by the full-cost rule (FullCostRule.match_width);
+        None for an off step (or when no request asked for the hybrid). Under TP rank 0's width (each rank prices
+        with its own timings; the matches are the same text's on every rank)."""
+        if batch.seq_lens_cpu is None or not self.planner.match_allowed(decision):
+            return None
+        states = self._match_states(batch.reqs, batch.seq_lens_cpu)
+        if states is None:
+            return None
+        choice, survival = self.matcher.match_only(states, self.gamma, self.model_runner.model_config.vocab_size,
+                                                   self.device)
+        w = self.planner.rule.match_width(bs, survival)
+        if self.ranks.active:
+            w = int(self.ranks.share(torch.tensor([[w]], dtype=torch.long, device=self.device))[0])
+        if w <= 1:
+            return None
+        return choice, w, Decision(True, "match", 1.0 + float(survival[:, : w - 1].sum(1).mean()))
 
     def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None):
         """Draft block -> rollout -> verify lengths and the step's width (every rank verifies rank 0's drafts)."""

@@ -24,7 +24,7 @@ from torch import Tensor
 from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
-from dspark_sgl.speculative.match import MatchChooser, MatchConfig, MatchState
+from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
 from dspark_sgl.speculative.scheduler import AdaptivePlanner
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
@@ -169,10 +169,12 @@ class SpecEngine:
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
                          max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live])
             n0 = [len(o.token_ids) for o in step.outs]
-            if self.draft is None or not self._speculate(len(live)):
-                anchor = self._plain_step(kv, anchor, step, clock, ctx)
-            else:
+            if self.draft is not None and self._speculate(len(live)):
                 anchor = self._spec_step(kv, ctx, anchor, step, clock)
+            elif (match := self._match_step(step, anchor.device)) is not None:
+                anchor = self._spec_step(kv, ctx, anchor, step, clock, match)
+            else:
+                anchor = self._plain_step(kv, anchor, step, clock, ctx)
             for st, o, n in zip(step.matches or (), step.outs, n0, strict=False):  # the match index sees the text
                 st.index.extend(o.token_ids[n:])
             clock.lap("other")
@@ -190,6 +192,15 @@ class SpecEngine:
     def _speculate(self, batch_size: int) -> bool:
         """The full-cost planner's decision for this step (earlier steps' data only); other planners always draft."""
         return not isinstance(self.planner, AdaptivePlanner) or self.planner.decide(batch_size).speculate
+
+    def _match_step(self, step: _Step, device) -> tuple[Choice, int] | None:
+        """Where the full-cost rule said off: (the matches' Choice, width) when verifying the rows' matches alone, with
+        no draft pass, pays (FullCostRule.match_width); None for a plain step."""
+        if self.matcher is None or not isinstance(self.planner, AdaptivePlanner):
+            return None
+        choice, survival = self.matcher.match_only(step.matches, self.gamma, self.target.vocab_size, device)
+        width = self.planner.rule.match_width(len(step.outs), survival)
+        return (choice, width) if width > 1 else None
 
     def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer, ctx: DraftContextCache | None = None) -> Tensor:
         """One plain decode step; with a draft context (an "off" step) the anchor's context is appended too."""
@@ -209,16 +220,23 @@ class SpecEngine:
         self._emit(step.outs, [[int(t)] for t in nxt], step.stops, step.max_new, step.history)
         return nxt
 
-    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer
-                   ) -> Tensor:
-        draft, gamma, outs, max_new = self.draft, self.gamma, step.outs, step.max_new
-        timer = StepTimer() if self.time_split else None
+    def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer,
+                   match: tuple[Choice, int] | None = None) -> Tensor:
+        """A speculative step: draft, choose (the hybrid), schedule, verify, accept, commit. `match` (a match step:
+        `_match_step`'s choice and width) skips the draft pass and verifies the rows' matches alone."""
+        draft, gamma = self.draft, self.gamma
+        timer = StepTimer() if self.time_split and match is None else None
         clock.lap("other", anchor)
+        noise = step.noise(anchor.device)
+        if match is not None:
+            choice, width = match
+            prop = choice.proposal
+            limit = choice.cap.clamp(max=width - 1).to(anchor.device)
+            return self._verify_step(kv, ctx, anchor, step, clock, prop, choice, limit, noise, None, drafted=False)
         h = draft.forward_step(anchor, ctx)
         clock.lap("draft", h)
         if timer is not None:
             timer.seconds["backbone"] += clock.seconds["draft"]
-        noise = step.noise(anchor.device)
         prop = propose(draft, h, anchor, step.bs, noise, timer)
         choice = None
         if self.matcher is not None:
@@ -226,7 +244,6 @@ class SpecEngine:
                                          self.target.vocab_size)
             prop = choice.proposal
         limit = None
-        n_verify = gamma + 1
         if self.planner is not None:
             from_conf = getattr(self.planner, "from_conf", None)  # the confidence and full-cost planners
             lengths = self.planner(prop) if choice is None or choice.conf is None or from_conf is None \
@@ -235,6 +252,15 @@ class SpecEngine:
         if choice is not None:  # a match row accepts at most its k continuation tokens
             limit = torch.minimum(limit if limit is not None else torch.full_like(choice.cap, gamma),
                                   choice.cap.to(anchor.device))
+        return self._verify_step(kv, ctx, anchor, step, clock, prop, choice, limit, noise, timer, drafted=True)
+
+    def _verify_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer,
+                     prop: Proposal, choice: Choice | None, limit: Tensor | None, noise, timer: StepTimer | None,
+                     drafted: bool) -> Tensor:
+        """Verify `prop` (each row up to `limit` drafts), accept, commit, record, emit; the next anchors. `drafted`:
+        False on a match step (its costs price T_after only; its acceptance is the matcher's, not the draft's)."""
+        gamma, outs, max_new = self.gamma, step.outs, step.max_new
+        n_verify = gamma + 1
         if limit is not None:
             n_verify = int(limit.max()) + 1  # the target runs only the longest scheduled prefix
         clock.lap("rollout", prop.tokens)
@@ -255,9 +281,13 @@ class SpecEngine:
         clock.lap("commit")
         if isinstance(self.planner, AdaptivePlanner):
             sec = clock.seconds
-            self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"],
-                                           sec["verify"] + sec["accept"] + sec["commit"], res.num_accepted,
-                                           self.planner.survival_factors(prop) if choice is None else choice.conf)
+            after_s = sec["verify"] + sec["accept"] + sec["commit"]
+            if drafted or planted("match_step_stats"):  # planted: a match step's acceptance taken as the draft's
+                self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"], after_s,
+                                               res.num_accepted,
+                                               self.planner.survival_factors(prop) if choice is None else choice.conf)
+            else:
+                self.planner.rule.observe_match(len(keep), n_verify, after_s)
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
         draft_s, verify_s = sec["draft"] + sec["rollout"] + ctx_s, sec["verify"] + sec["accept"] + sec["commit"] - ctx_s
         emitted = []

@@ -12,7 +12,10 @@ from, so each step verifies whichever of the two blocks is expected to commit mo
     lookup        the longest suffix (n <= max_n) that occurred before, at its most recent occurrence, and the up to
                   γ tokens that followed it; the match length n is the match's score
     MatchChooser  the batch's step: propose a match for every row, estimate both proposals' expected accepted length,
-                  build ONE Proposal whose rows are the draft's or the match's, record what the verify accepted
+                  build ONE Proposal whose rows are the draft's or the match's, record what the verify accepted;
+                  and, on a step the full-cost rule priced as off, a match step (`match_only`): the matches alone,
+                  verified without any draft pass when FullCostRule.match_width says they pay (NGRAM's cost, with
+                  its acceptance learnt per request and match length)
 
 Lossless. A match proposal is a deterministic function of the committed text, so it is a proposal with a one-hot q:
 the rules in kernels/accept_reference.py, unchanged, accept x with probability p(x) and otherwise draw the bonus from
@@ -274,6 +277,17 @@ class MatchChooser:
         return Choice(hybrid_proposal(prop, toks, use_dev, vocab_size), conf, use,
                       torch.where(use, k.cpu(), gamma), torch.where(use, n.cpu(), 0))
 
+    def match_only(self, states: Sequence[MatchState | None], gamma: int, vocab_size: int, device
+                   ) -> tuple[Choice, Tensor]:
+        """A match step's Choice (no draft pass: a step the full-cost rule priced as off) and its rows' survival [B, γ]
+        for `FullCostRule.match_width`: rows with a match verify it (cap k), the others only their anchor (cap 0,
+        key -1: nothing to learn from them)."""
+        toks, k, n = self.propose(states, gamma, device)
+        surv = self.match_survival(states, k, n, gamma)
+        use = k.cpu() > 0
+        prop = Proposal(toks, one_hot_logits(toks, vocab_size), None, None, from_match=use.to(device))
+        return Choice(prop, None, use, k.cpu(), torch.where(use, n.cpu(), -1)), surv
+
     def record(self, states: Sequence[MatchState], choice: Choice, limit: Sequence[int], accepted: Sequence[int]
                ) -> None:
         """After the verify: what each row's proposal achieved (limit: the drafts it could accept, its cap included).
@@ -284,7 +298,10 @@ class MatchChooser:
 
     def record_one(self, state: MatchState | None, use: bool, key: int, limit: int, accepted: int) -> None:
         """One row's outcome into the request's and the engine-wide rates of its source (the match length, or 0 for
-        the draft) and the counters; tested = accepted, plus one where the row stopped at a rejection."""
+        the draft, -1 for a row of a match step that had no match: nothing recorded) and the counters; tested =
+        accepted, plus one where the row stopped at a rejection."""
+        if key < 0:
+            return
         tested = accepted + 1 if accepted < limit else accepted
         for rates in (() if state is None else (state.rates,)) + (self.rates,):
             rates.setdefault(key, _Rate()).add(accepted, tested)
@@ -295,7 +312,8 @@ class MatchChooser:
 class Choice:
     """One step's choice: the Proposal to verify, its rows' calibrated per-position confidences for the width rule
     (None without a confidence head), and on the host: which rows verify the match, each row's cap on accepted drafts
-    (k on match rows, γ on draft rows) and its estimator key (the match length, 0 for the draft)."""
+    (k on match rows, γ on draft rows) and its estimator key (the match length, 0 for the draft, -1 for a row of a
+    match step that verifies its anchor alone)."""
 
     proposal: Proposal
     conf: Tensor | None

@@ -230,8 +230,8 @@ class ConfidencePlanner:
 # calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision reads
 # columns <= d only: exact at every temperature by the argument of the module docstring.
 
-Mode = Literal["auto", "on", "off"]
-MODES: tuple[str, ...] = ("auto", "on", "off")
+Mode = Literal["auto", "on", "off", "match"]
+MODES: tuple[str, ...] = ("auto", "on", "off", "match")  # match: never draft; off steps may verify matches
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -331,6 +331,10 @@ class CostTable:
         costs.draft.add(draft_s)
         costs.after[width - 1].add(after_s)
 
+    def observe_match(self, batch_size: int, width: int, after_s: float) -> None:
+        """A match step (no draft pass) prices T_after(width) only."""
+        self.bucket(batch_size).after[width - 1].add(after_s)
+
     def spec_seconds(self, batch_size: int) -> list[float] | None:
         """Seconds of a speculative step at each width w = 1 .. W (draft included), or None before it is measured."""
         costs = self.buckets.get(batch_bucket(batch_size))
@@ -411,7 +415,8 @@ class RuleConfig:
     explore_every: int = 64  # every n-th decision of a bucket runs the other arm once, to keep its cost fresh
     cold_samples: int = 3  # steps of each arm a bucket times before the rule decides (spec first)
     max_batch: int | None = None  # operator cap: larger batches never speculate
-    mode: Mode = "auto"  # "on": always speculate (tests, fixed-schedule benchmarks); "off": never
+    mode: Mode = "auto"  # "on": always speculate (tests, fixed-schedule benchmarks); "off": never; "match": never
+    # draft, verify the text's matches where they pay (a draft not trained yet, or not worth its pass on this box)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -486,7 +491,9 @@ class FullCostRule:
     def _decide(self, batch_size: int, st: _BucketState) -> Decision:
         cfg = self.config
         if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch):
-            return Decision(False, "cap" if cfg.mode == "auto" else "forced", 1.0)
+            return Decision(False, "cap" if cfg.mode in ("auto", "match") else "forced", 1.0)
+        if cfg.mode == "match":
+            return Decision(False, "mode", 1.0)
         if cfg.mode == "on":
             return Decision(True, "forced", self._predicted(batch_size))
         costs = self.costs.buckets.get(batch_bucket(batch_size))
@@ -505,6 +512,31 @@ class FullCostRule:
         if cfg.explore_every and st.decisions % cfg.explore_every == 0:
             arm, why = not arm, "explore"
         return Decision(arm, why, self._predicted(batch_size) if arm else 1.0)
+
+    def match_width(self, batch_size: int, survival: torch.Tensor) -> int:
+        """The width of a match step, or 1 (an off step). Asked where `decide` said off: the rows' matches from their
+        own text (speculative/match.py) cost no draft pass, so a width-w step that verifies only them costs T_after(w)
+        and is expected to commit B + sum_{j<w} survival[:, j - 1] tokens. The widest-paying w is taken when it beats a
+        plain step's B / T_off by the margin. `survival` [B, gamma] (0 on rows without a match) is a function of the
+        committed text and earlier steps' outcomes only, so the choice is lossless like `decide`'s. The operator's
+        mode "off" and batch cap forbid match steps as they forbid drafting. Cold start: until the bucket has timed
+        `cold_samples` steps wider than 1, a step with any match runs at its longest match's width (a verify width
+        nobody measured is priced as w plain steps, which would never let the first one run)."""
+        cfg = self.config
+        if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch) or not survival.numel():
+            return 1
+        s = survival.detach().to(torch.float64).cpu().clamp(0.0, 1.0)
+        costs = self.costs.buckets.get(batch_bucket(batch_size))
+        if costs is None or sum(c.seen for c in costs.after[1:]) < cfg.cold_samples:
+            cols = s.sum(0).nonzero()
+            return int(cols.max()) + 2 if cols.numel() else 1
+        after, off_s = costs.after_seconds(), self.costs.off_seconds(batch_size)
+        if after is None or off_s is None:
+            return 1
+        tokens = batch_size + torch.cat([s.new_zeros(1), s.sum(0).cumsum(0)])  # w = 1 .. gamma + 1
+        rates = tokens / torch.tensor(after, dtype=torch.float64)
+        w = int(rates.argmax()) + 1
+        return w if float(rates[w - 1]) > (1 + cfg.margin) * batch_size / off_s else 1
 
     # -- after drafting ----------------------------------------------------------------------------------------
     def widths(self, conf: torch.Tensor) -> torch.Tensor:
@@ -549,6 +581,11 @@ class FullCostRule:
     def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         if self.learn_costs:
             self.costs.observe_spec(batch_size, width, draft_s, after_s)
+
+    def observe_match(self, batch_size: int, width: int, after_s: float) -> None:
+        """A match step's timing (its acceptance is the matcher's to learn, never the draft's statistics)."""
+        if self.learn_costs:
+            self.costs.observe_match(batch_size, width, after_s)
 
     def observe_accept(self, batch_size: int, width: int, accepted: torch.Tensor,
                        conf: torch.Tensor | None = None) -> None:
