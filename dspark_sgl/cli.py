@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from importlib.metadata import entry_points
@@ -389,7 +391,7 @@ def serve(
                           draft_dtype=draft_dtype, draft_root=draft_root, match=match, speculate=speculate,
                           speculate_max_batch=speculate_max_batch)
         if python is not None:
-            cfg.python = python
+            cfg.python = python.absolute()  # not resolve(): a venv python is a symlink to the base one
         cmd, env = prepare(cfg)
     except (ServeError, FileNotFoundError) as e:
         _fail(str(e))
@@ -400,6 +402,64 @@ def serve(
     if warning:
         print(warning, file=sys.stderr)
     exec_server(cmd, env)
+
+
+@app.command("profile-costs", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile_costs_cmd(
+    ctx: typer.Context,
+    draft: Annotated[Path, typer.Option(help="DSpark draft folder, as for `dspark serve`.")],
+    target: TARGET = "smollm2",
+    dtype: DTYPE = "auto",
+    draft_dtype: Annotated[str | None, typer.Option(help="As for `dspark serve`.")] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda, as for `dspark serve`.")] = "cpu",
+    batch_size: Annotated[list[int] | None, typer.Option(help="Batch sizes to profile (repeatable; default 1 2 4 "
+                                                              "8 16).")] = None,
+    repeats: Annotated[int, typer.Option(help="Interleaved rounds per arm and batch size.")] = 5,
+    new_tokens: Annotated[int, typer.Option(help="Decode steps per request and round.")] = 16,
+    python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
+    log: Annotated[Path, typer.Option(help="The profiling server's log.")] = Path("out/profile-costs.log"),
+) -> None:
+    """Measure the full-cost rule's step costs (off, draft, verify by width, per batch bucket) on a loopback server
+    before serving, into the per-machine cache that `dspark serve` with the same flags loads. Extra arguments go to
+    SGLang, as for `dspark serve`."""
+    from dspark_sgl.loading import resolve_target_dir
+    from dspark_sgl.model.checkpoint import load_draft
+    from dspark_sgl.sglang.planning import SPS_CACHE_ENV
+    from dspark_sgl.sglang.profile import ProfilePlan, ProfileServer, cost_rows, run_profile
+    from dspark_sgl.sglang.serve import ServeConfig, ServeError, prepare
+
+    if os.environ.get(SPS_CACHE_ENV, "").lower() in ("off", "0", "none", "false"):
+        _fail(f"{SPS_CACHE_ENV}={os.environ[SPS_CACHE_ENV]}: the per-machine cost cache is off; nothing to write")
+    try:
+        plan = ProfilePlan(tuple(batch_size or (1, 2, 4, 8, 16)), repeats, new_tokens)
+        target_dir = resolve_target_dir(target)
+        gamma = load_draft(draft).config.block_size
+        vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cfg = ServeConfig(target_dir, draft, dtype, device, "127.0.0.1", port, extra=list(ctx.args),
+                          draft_dtype=draft_dtype)
+        if python is not None:
+            cfg.python = python.absolute()  # not resolve(): a venv python is a symlink to the base one
+        cmd, env = prepare(cfg)
+    except (ServeError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    console.print(f"profiling {target_dir} + {draft} on a loopback server (log {log}): batch sizes "
+                  f"{list(plan.batch_sizes)}, {plan.repeats} rounds x (off, spec) x {plan.new_tokens} steps")
+    with ProfileServer(cmd, env, port, log) as server:
+        info = run_profile(server, plan, gamma, vocab, say=console.print)
+    path = info.get("cost_table")
+    if not path or not Path(path).is_file():
+        _fail(f"the server wrote no cost table (record: {info.get('cost_table')!r}; log {log})")
+    t = Table(title=f"step costs (ms, median of the last 9) -> {path}")
+    for col in ("bucket", "off", "draft", "verify+accept+commit by width 1..γ+1"):
+        t.add_column(col, justify="right")
+    for r in cost_rows(json.loads(Path(path).read_text())):
+        t.add_row(str(r["bucket"]), str(r["off_ms"]), str(r["draft_ms"]),
+                  " ".join("-" if a is None else f"{a:g}" for a in r["after_ms"]))
+    Console().print(t)
+    console.print(f"wrote {path}: `dspark serve` with the same target, draft and flags on this machine loads it")
 
 
 def _register_plugins() -> None:

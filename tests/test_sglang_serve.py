@@ -9,13 +9,14 @@ from the plain outputs, so it is accepted). Servers stop as soon as the module i
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sglang_cpu"))
-from dspark_testkit import ServeCommand, build_bigram_draft  # noqa: E402
+from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,10 +70,24 @@ def test_plain_serve_answers_through_the_openai_endpoint(plain):
 def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, plain, tmp_path_factory):
     seqs = [p + o for p, o in zip(prompt_ids, plain["single"], strict=True)]
     draft = build_bigram_draft(smollm2_dir, seqs, tmp_path_factory.mktemp("draft") / "bigram")
-    cache = tmp_path_factory.mktemp("sps-cache")  # the per-machine SPS cache, on as for an operator
+    cache = tmp_path_factory.mktemp("sps-cache")  # the per-machine cost cache, on as for an operator
     args, env = ["--draft", str(draft)], {"DSPARK_SGL_SPS_CACHE": str(cache)}
+    # `dspark profile-costs` with the serve command's flags measures the costs before serving (both arms, buckets 1
+    # and 2, interleaved rounds): the table is in the cache before any request, and `dspark serve` loads it
+    cmd = [sys.executable, "-m", "dspark_sgl.cli", "profile-costs", "--python", str(sglang_python()), "--target",
+           str(smollm2_dir), "--dtype", "float32", *args, "--batch-size", "1", "--batch-size", "2", "--repeats", "2",
+           "--new-tokens", "8", "--log", str(cache.parent / "profile.log")]
+    profile_env = ServeCommand(smollm2_dir, serve_args=args, env=env).process_env()
+    done = subprocess.run(cmd, env=profile_env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (file,) = cache.glob("*.json")
+    profiled = json.loads(file.read_text())
+    for b in ("1", "2"):
+        costs = profiled["buckets"][b]
+        assert len(costs["off"]) >= 5 and len(costs["draft"]) >= 5 and costs["after"][-1], (b, costs)
     with ServeCommand(smollm2_dir, serve_args=args, env=env) as s:
         out = _outputs(s, prompt_ids)
+        assert f"buckets [1, 2] loaded from {file}" in s.log(), s.log()[-3000:]
     assert out["single"] == plain["single"] and out["batched"] == plain["batched"]
     assert out["chat"]["choices"][0]["message"]["content"] == plain["chat"]["choices"][0]["message"]["content"]
     print(f"dspark serve, confidence schedule: accept lengths {out['accept']}")
@@ -80,14 +95,11 @@ def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, pl
     # 2-core Xeon); a floor because the confidence schedule trims by this box's measured SPS table
     assert sum(out["accept"]) / len(out["accept"]) > 1.2, out["accept"]
 
-    # The step costs learnt on the way (the full-cost rule's table, from the served steps' own timings) are kept for
-    # this engine; a restart loads them instead of learning anew. The restart runs `--speculate match` (never draft;
-    # an off step verifies the request's matches from its own text where the loaded costs say they pay): match steps,
-    # with no draft row at all, and the same tokens.
-    (file,) = cache.glob("*.json")
+    # The step costs corrected on the way (the served steps' own timings) are kept for this engine; a restart loads
+    # them. The restart runs `--speculate match` (never draft; an off step verifies the request's matches from its own
+    # text where the loaded costs say they pay): match steps, with no draft row at all, and the same tokens.
     saved = json.loads(file.read_text())
-    one = saved["buckets"]["1"]  # single requests ran, so batch bucket 1 has timings of the steps it took
-    assert one["off"] or one["draft"], saved
+    assert len(saved["buckets"]) > 2, saved["buckets"].keys()  # 4 concurrent requests ran: a bucket not profiled
     with ServeCommand(smollm2_dir, serve_args=[*args, "--speculate", "match"], env=env) as s:
         again = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:2]]
         info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]

@@ -338,6 +338,7 @@ class VerifyPlanner:
             "rule": self.rule.info(),
             "sts": None if self.temperatures is None else [float(t) for t in self.temperatures],
             "sps_table": None if self.sps is None else self.sps.to_dict(),
+            "cost_table": None if self.save_path is None or self.sps is not None else str(self.save_path),
         }
 
     def clear(self) -> None:
