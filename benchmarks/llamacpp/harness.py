@@ -105,6 +105,11 @@ class Completion:
     spec: dict | None = None  # this request's share of the speculative counters (benchmarks/llamacpp_speed.py)
 
 
+def top_logprobs(entry: dict, k: int = 2) -> list[tuple[int, float]]:
+    """[(token id, log-probability)] of the k likeliest tokens of one `completion_probabilities` entry."""
+    return [(int(t["id"]), float(t["logprob"])) for t in entry["top_logprobs"][:k]]
+
+
 def dspark_args(draft: Path, n_max: int = 7, p_min: float = 0.0, threads: int = 2) -> tuple[str, ...]:
     """llama.cpp's DSpark speculation: the draft GGUF, γ drafts per block (llama.cpp's default n_max is 3), and the
     confidence-head cut `--spec-draft-p-min` (0: off; this llama.cpp has no `--spec-draft-conf-min`)."""
@@ -165,14 +170,26 @@ class Server:
                 self.proc.wait()
         self._log.close()
 
-    def complete(self, ids: list[int], n: int, n_probs: int = 0) -> Completion:
-        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": False, "return_tokens": True,
-                "n_probs": n_probs, "stream": False}
+    def post(self, body: dict) -> dict:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
+            return json.loads(r.read())
+
+    def complete(self, ids: list[int], n: int, n_probs: int = 0) -> Completion:
+        out = self.post({"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": False,
+                         "return_tokens": True, "n_probs": n_probs, "stream": False})
         return Completion(out["tokens"], out["content"], out["timings"], out.get("completion_probabilities", []))
+
+    def batched_top(self, prefix: list[int], rows: int, k: int = 2) -> list[tuple[int, float]]:
+        """The next-token top k [(id, log-probability)] after `prefix`, with its last `rows` tokens evaluated as one
+        batch, as a speculative verify evaluates them (the rest of the prefix cached first)."""
+        self.post({"prompt": prefix[:-rows], "n_predict": 0, "cache_prompt": True, "temperature": 0.0})
+        out = self.post({"prompt": prefix, "n_predict": 1, "cache_prompt": True, "temperature": 0.0, "n_probs": k,
+                         "return_tokens": True})
+        if out["timings"]["prompt_n"] != rows:
+            raise RuntimeError(f"the server evaluated {out['timings']['prompt_n']} tokens, not the last {rows}")
+        return top_logprobs(out["completion_probabilities"][0], k)
 
     def first_block(self, top: int = 3) -> list[list[int]]:
         """The first drafted block (verbosity 5): llama.cpp's top candidates (best first) at each block position."""
