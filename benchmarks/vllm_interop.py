@@ -42,6 +42,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fresh-install", type=Path, default=None)
     ap.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "vllm_interop.json"))
+    ap.add_argument("--trained", type=Path, default=None, help="also compare this trained draft folder (the README "
+                    "recipe's shape, SmolLM2 target), re-exported by today's code")
     args = ap.parse_args()
     install = fresh_install(args.fresh_install) if args.fresh_install else None
     from importlib.metadata import version
@@ -50,7 +52,7 @@ def main() -> None:
 
     out = Path(args.json_out)
     t0 = time.perf_counter()
-    report = run_report()
+    report = run_report(args.trained)
     for c in report["comparisons"]:
         print(f"{c['kind']:8s} loader missing {c['loader']['missing']} | block logits Δ "
               f"{c['block_logits_max_abs_diff']:.2e}, Markov step Δ {c['markov_step_logits_max_abs_diff']:.2e}, "

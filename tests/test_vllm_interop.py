@@ -88,11 +88,19 @@ def recipe_config(target: Path, draft_vocab_size: int | None) -> DSparkConfig:
     return dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
 
 
-def export(kind: str, folder: Path, target: Path, seed: int = 0) -> DSparkDraft:
+def export(kind: str, folder: Path, target: Path, seed: int = 0, trained: Path | None = None) -> DSparkDraft:
     """Our draft of this kind, randomized and bound to the target, saved the way every export saves it. Kinds
-    `recipe` / `recipe_d2t` (K = 8192) take the README recipe's shape for the target folder given (SmolLM2)."""
+    `recipe` / `recipe_d2t` (K = 8192) take the README recipe's shape for the target folder given (SmolLM2).
+    `trained`: a trained draft folder instead (its weights, loaded by ours, re-exported by today's code)."""
     from training.target import load_target_heads
 
+    if trained is not None:
+        from dspark_sgl.model.checkpoint import load_draft
+
+        draft = load_draft(trained).eval()
+        draft.bind_target(*load_target_heads(target, torch.float32, "cpu"))
+        draft.save_pretrained(folder)
+        return draft
     config = recipe_config(target, 8192 if kind == "recipe_d2t" else None) if kind.startswith("recipe") else \
         draft_config(kind)
     draft = DSparkDraft(config).eval()
@@ -289,13 +297,14 @@ def ours_propose(draft: DSparkDraft, aux: torch.Tensor, lengths: list[int], anch
             "confidence": None if prop.conf_logits is None else torch.sigmoid(prop.conf_logits)}
 
 
-def compare(env, kind: str, seed: int = 0, name: str | None = None, target: Path | None = None) -> dict:
-    """Export our draft (under a planted bug when asked), load it with vLLM, feed both the same target hidden states
-    and anchors; every difference vLLM's draft step shows against ours."""
-    folder = env.root / f"{kind}-{seed}-{name or 'clean'}"
+def compare(env, kind: str, seed: int = 0, name: str | None = None, target: Path | None = None,
+            trained: Path | None = None) -> dict:
+    """Export our draft (under a planted bug when asked; `trained`: that folder's weights), load it with vLLM, feed
+    both the same target hidden states and anchors; every difference vLLM's draft step shows against ours."""
+    folder = env.root / f"{kind}-{seed}-{name or 'clean'}{'-trained' if trained else ''}"
     target = target or env.root / "target"
     with plant(name):
-        ours = export(kind, folder, target, seed)
+        ours = export(kind, folder, target, seed, trained)
     vc, model, report = env.vllm.load(folder, kind, target)
     c = ours.config
     g = torch.Generator().manual_seed(seed + 7)
@@ -305,7 +314,8 @@ def compare(env, kind: str, seed: int = 0, name: str | None = None, target: Path
     a, b = ours_propose(ours, aux, lengths, anchors), vllm_propose(env.vllm, vc, model, aux, lengths, anchors,
                                                                    c.mask_token_id)
     diff = lambda k: float((a[k].float() - b[k].float()).abs().max())  # noqa: E731
-    out = {"kind": kind, "loader": report, "block_logits_max_abs_diff": diff("base"),
+    out = {"kind": kind if trained is None else f"{kind} trained ({trained})", "loader": report,
+           "block_logits_max_abs_diff": diff("base"),
            "markov_step_logits_max_abs_diff": diff("steps"), "confidence_max_abs_diff": diff("confidence"),
            "proposals_ours": a["tokens"].tolist(), "proposals_vllm": b["tokens"].tolist(),
            "proposals_equal": torch.equal(a["tokens"], b["tokens"]), "d2t_equal": torch.equal(a["vocab"], b["vocab"])}
@@ -392,8 +402,9 @@ def test_planted_export_bug_fails_the_comparison(env, name, kind):
     assert not planted["loader"]["missing"]  # vLLM loaded the broken folder without a word: only the values tell
 
 
-def run_report() -> dict:
-    """Every comparison of this module in one dict (benchmarks/vllm_interop.py writes the result file from it)."""
+def run_report(trained: Path | None = None) -> dict:
+    """Every comparison of this module in one dict (benchmarks/vllm_interop.py writes the result file from it);
+    `trained`: also a trained draft of the README recipe's shape (SmolLM2 target), re-exported by today's code."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_target(root / "target")
@@ -402,6 +413,10 @@ def run_report() -> dict:
         from dspark_sgl.targets.smollm2 import smollm2_hf_dir  # the README recipe's target and draft shape
 
         result["comparisons"] += [compare(env, kind, 0, target=smollm2_hf_dir()) for kind in ("recipe", "recipe_d2t")]
+        if trained is not None:
+            kind = "recipe_d2t" if json.loads((trained / "config.json").read_text()).get("draft_vocab_size") \
+                else "recipe"
+            result["comparisons"].append(compare(env, kind, 0, target=smollm2_hf_dir(), trained=trained))
         export("mla", root / "mla", root / "target")
         result["mla_loader"] = env.vllm.load(root / "mla", "mla")[2]
         result["planted_caught"] = {name: not compare(env, kind, 0, name)["ok"]

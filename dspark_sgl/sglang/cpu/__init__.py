@@ -19,9 +19,13 @@ PLUGIN_ENTRY_POINTS = ("dspark", "dspark_cpu")  # both must be in the interprete
 # SGLang on a CPU (server flags and sglang.Engine keywords alike): torch attention, no CUDA graphs, a KV pool capped by
 # max_total_tokens. The static fraction only sets how much of the RAM free at start-up must still be free once the
 # weights are loaded, so 0.5 tolerates other processes on a shared machine. fp32 is what keeps T = 0 lossless here
-# (bf16 results depend on batch shape); the dtype is the caller's.
+# (bf16 results depend on batch shape); the dtype is the caller's. sleep_on_idle: an idle SGLang scheduler otherwise
+# polls its sockets in a busy loop (SGLang's IdleSleeper docstring: "each GPU would otherwise pin one thread at 100%
+# CPU"); on a CPU server that thread is taken from the model's own cores, and every idle server on the host slows the
+# busy ones (measured on the 2-core Xeon: an idle SmolLM2 server took 20.0 s of CPU in 20 s without it, < 1 s with it).
+# With it the loop blocks in zmq.Poller.poll until a request arrives (no added latency: the poll wakes on the socket).
 SGLANG_CPU_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                       max_total_tokens=8192, mem_fraction_static=0.5)
+                       max_total_tokens=8192, mem_fraction_static=0.5, sleep_on_idle=True)
 
 
 def cpu_server_flags() -> list[str]:
