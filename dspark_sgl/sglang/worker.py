@@ -442,14 +442,14 @@ class DSparkWorker(BaseSpecWorker):
         states = self._match_states(batch.reqs, batch.seq_lens_cpu)
         if states is None:
             return None
-        choice, survival = self.matcher.match_only(states, self.gamma, self.model_runner.model_config.vocab_size,
-                                                   self.device)
-        w = self.planner.rule.match_width(bs, survival)
+        cand = self.matcher.match_only(states, self.gamma, self.device)
+        w = self.planner.rule.match_width(bs, cand.survival)
         if self.ranks.active:
             w = int(self.ranks.share(torch.tensor([[w]], dtype=torch.long, device=self.device))[0])
         if w <= 1:
             return None
-        return choice, w, Decision(True, "match", 1.0 + float(survival[:, : w - 1].sum(1).mean()))
+        expected = 1.0 + float(cand.survival[:, : w - 1].sum(1).mean())
+        return cand.choice(self.model_runner.model_config.vocab_size), w, Decision(True, "match", expected)
 
     def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None):
         """Draft block -> rollout -> verify lengths and the step's width (every rank verifies rank 0's drafts)."""

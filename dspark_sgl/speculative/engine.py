@@ -198,9 +198,9 @@ class SpecEngine:
         no draft pass, pays (FullCostRule.match_width); None for a plain step."""
         if self.matcher is None or not isinstance(self.planner, AdaptivePlanner):
             return None
-        choice, survival = self.matcher.match_only(step.matches, self.gamma, self.target.vocab_size, device)
-        width = self.planner.rule.match_width(len(step.outs), survival)
-        return (choice, width) if width > 1 else None
+        cand = self.matcher.match_only(step.matches, self.gamma, device)
+        width = self.planner.rule.match_width(len(step.outs), cand.survival)
+        return (cand.choice(self.target.vocab_size), width) if width > 1 else None
 
     def _plain_step(self, kv, anchor, step: _Step, clock: StepTimer, ctx: DraftContextCache | None = None) -> Tensor:
         """One plain decode step; with a draft context (an "off" step) the anchor's context is appended too."""

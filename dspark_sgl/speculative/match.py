@@ -277,16 +277,12 @@ class MatchChooser:
         return Choice(hybrid_proposal(prop, toks, use_dev, vocab_size), conf, use,
                       torch.where(use, k.cpu(), gamma), torch.where(use, n.cpu(), 0))
 
-    def match_only(self, states: Sequence[MatchState | None], gamma: int, vocab_size: int, device
-                   ) -> tuple[Choice, Tensor]:
-        """A match step's Choice (no draft pass: a step the full-cost rule priced as off) and its rows' survival [B, γ]
-        for `FullCostRule.match_width`: rows with a match verify it (cap k), the others only their anchor (cap 0,
-        key -1: nothing to learn from them)."""
+    def match_only(self, states: Sequence[MatchState | None], gamma: int, device) -> MatchStep:
+        """A match step's candidates (no draft pass: a step the full-cost rule priced as off) and their survival
+        [B, γ] for `FullCostRule.match_width`; `MatchStep.choice` builds the verify's Proposal only when the width
+        says the step runs (the one-hot rows are [B, γ, V]: not built for an off step)."""
         toks, k, n = self.propose(states, gamma, device)
-        surv = self.match_survival(states, k, n, gamma)
-        use = k.cpu() > 0
-        prop = Proposal(toks, one_hot_logits(toks, vocab_size), None, None, from_match=use.to(device))
-        return Choice(prop, None, use, k.cpu(), torch.where(use, n.cpu(), -1)), surv
+        return MatchStep(toks, k.cpu(), n.cpu(), self.match_survival(states, k, n, gamma))
 
     def record(self, states: Sequence[MatchState], choice: Choice, limit: Sequence[int], accepted: Sequence[int]
                ) -> None:
@@ -306,6 +302,24 @@ class MatchChooser:
         for rates in (() if state is None else (state.rates,)) + (self.rates,):
             rates.setdefault(key, _Rate()).add(accepted, tested)
         self.counters.add(use, accepted)
+
+
+@dataclass
+class MatchStep:
+    """The matches of a step the rule priced as off: tokens [B, γ] (on the device), continuation length k and match
+    length n [B] (host), survival [B, γ] (host, float64)."""
+
+    tokens: Tensor
+    k: Tensor
+    n: Tensor
+    survival: Tensor
+
+    def choice(self, vocab_size: int) -> Choice:
+        """Rows with a match verify it (cap k); the others only their anchor (cap 0, key -1: nothing to learn)."""
+        use = self.k > 0
+        prop = Proposal(self.tokens, one_hot_logits(self.tokens, vocab_size), None, None,
+                        from_match=use.to(self.tokens.device))
+        return Choice(prop, None, use, self.k, torch.where(use, self.n, -1))
 
 
 @dataclass
