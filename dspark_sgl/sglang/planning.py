@@ -239,7 +239,7 @@ class VerifyPlanner:
     def match_allowed(self, decision: Decision) -> bool:
         """May an off step verify the hybrid's matches instead (FullCostRule.match_width prices it)? Not when the
         operator forced the step (the run-time switch or mode "off"): forced off means plain decoding."""
-        return not decision.speculate and decision.why != "forced" and self.forced_width is None
+        return not decision.speculate and decision.why != "forced"  # `decide` says "forced" for both
 
     def verify_lengths(self, conf_logits: Tensor | None, batch_size: int, device) -> Tensor:
         """Per-request verify length (anchor + scheduled drafts) in [1, γ+1], long, on device (one width for all)."""

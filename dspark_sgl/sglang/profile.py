@@ -7,7 +7,7 @@ wait. This command runs those steps before any user does: the same `dspark serve
 flags and machine, so the same cache key: planning.engine_facts), a server on a loopback port, then for each batch
 bucket B `repeats` rounds of B concurrent requests in each of two arms, interleaved (the order alternates by round):
   - off:  `/set_internal_state dspark_force_budget_frac` = 1/(γ+1): every step an off step (T_off, T_after(1));
-  - spec: = (γ - 0.5)/(γ+1): every step drafts and verifies at width <= γ+1 (T_draft, T_after(w) at the widths the
+  - spec: = (γ + 0.5)/(γ+1): every step drafts and verifies at width <= γ+1 (T_draft, T_after(w) at the widths the
           rule picks; linear between measured widths);
 then `/server_info` (which writes the table) and the server is stopped. Each cell is the median of its last 9 steps
 (CostTable), so >= 5 rounds of >= `new_tokens` steps per arm and bucket fill it from this profile alone.
@@ -23,6 +23,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import time
 import urllib.error
@@ -131,8 +132,8 @@ def run_profile(server: ProfileServer, plan: ProfilePlan, gamma: int, vocab_size
 
 def cost_rows(table: dict) -> list[dict]:
     """Per bucket of a saved cost table: off, draft and after(w) medians in ms (None: not measured)."""
-    def ms(samples: list[float]) -> float | None:
-        return None if not samples else round(1e3 * sorted(samples)[len(samples) // 2], 2)
+    def ms(samples: list[float]) -> float | None:  # the median CostTable prices with (RunningCost.value)
+        return None if not samples else round(1e3 * statistics.median(samples), 2)
 
     return [{"bucket": int(b), "off_ms": ms(c["off"]), "draft_ms": ms(c["draft"]),
              "after_ms": [ms(s) for s in c["after"]], "samples": len(c["off"]) + len(c["draft"])}
