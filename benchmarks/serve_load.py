@@ -14,7 +14,9 @@ our worker's plain path against plain SGLang's). The prompts are held-out ones: 
 or --output-len tokens (`--disable-ignore-eos`). The tool's own JSONL lines go into the result file beside our summary
 (median and range over the repeats), with DSPARK's /server_info record (share of steps speculated per batch bucket,
 width histogram, predicted vs realized accept length, the learnt step costs). After the timed runs, the T = 0 outputs
-of every method for every prompt are compared with plain's (/generate, all prompts at once).
+of every method for every prompt are compared with plain's (/generate, all prompts at once). Before the servers
+start, `dspark profile-costs` measures the rule's step costs with the DSPARK servers' own flags into a cost cache
+they load (`--no-profile-costs`: each starts cold, with the rule's cold start in every batch bucket).
 
     python benchmarks/serve_load.py --bigram-draft 64 --concurrency 1 --concurrency 4 --concurrency 16 \\
         --out benchmarks/results/serve_load_adaptive.json --plot docs/img/serve_load_adaptive.png
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +52,7 @@ from dspark_sgl.evaluate import read_prompts
 from dspark_sgl.plots import pyplot, save_figure
 from dspark_sgl.provenance import provenance
 from dspark_sgl.sglang.cpu import server_env
+from dspark_sgl.sglang.planning import SPS_CACHE_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
 from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
@@ -195,6 +199,10 @@ def main(
     only: Annotated[list[str] | None, typer.Option(help="Run only these methods: plain, plain-no-overlap, ngram, "
                                                        "dspark, dspark-match, dspark-match-only, dspark-off, "
                                                        "builtin (repeatable; default all).")] = None,
+    profile_costs: Annotated[bool, typer.Option(help="Run `dspark profile-costs` (buckets up to the largest level, "
+                                                     "at most 16) before the servers start, into a cost cache "
+                                                     "every DSPARK ours server then loads (as an operator "
+                                                     "would); off: each starts cold.")] = True,
     out: Path = Path("out/bench/serve_load_adaptive.json"),
     plot_path: Annotated[Path | None, typer.Option("--plot")] = None,
 ) -> None:
@@ -249,6 +257,15 @@ def main(
                       draft_note=draft_note or f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
                       tool="python -m sglang.benchmark.serving --backend sglang --dataset-name custom "
                            "--request-rate inf --temperature 0 --disable-ignore-eos")
+        profiled = None
+        if profile_costs and any(m.startswith("DSPARK ours") for m in methods):
+            cache = Path(tmp) / "cost-cache"
+            profiled = profile(py, target, d, common, [b for b in (1, 2, 4, 8, 16) if b <= max(levels)] or [1],
+                               cache, Path(tmp) / "profile-costs.log")
+            for m in methods:
+                if m.startswith("DSPARK ours"):
+                    envs[m] = {**envs.get(m, {}), SPS_CACHE_ENV: str(cache)}
+        inputs["profile_costs"] = profiled
         runs, servers, info, identity = [], {}, None, None
         with contextlib.ExitStack() as stack:
             for method, args in methods.items():  # all up at once, driven one at a time
@@ -293,6 +310,22 @@ def main(
     if plot_path is not None:
         plot(rows, plot_path, cpu)
         console.print(f"wrote {plot_path}")
+
+
+def profile(py: Path, target: str, draft: str, common: list[str], sizes: list[int], cache: Path, log: Path) -> dict:
+    """`dspark profile-costs` with the DSPARK servers' own flags (the same cache key), before any server starts."""
+    import time
+
+    cmd = [sys.executable, "-m", "dspark_sgl.cli", "profile-costs", "--python", str(py), "--target", target,
+           "--dtype", "float32", "--device", "cpu", "--draft", draft, "--log", str(log),
+           *[a for b in sizes for a in ("--batch-size", str(b))], *common]
+    console.print(f"profiling step costs before serving: batch sizes {sizes}")
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env={**os.environ, SPS_CACHE_ENV: str(cache)}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dspark profile-costs failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    (file,) = cache.glob("*.json")
+    return {"batch_sizes": sizes, "wall_s": round(time.monotonic() - t0, 1), "table": json.loads(file.read_text())}
 
 
 def write_record(out: Path, inputs: dict, runs: list[dict], info, identity, complete: bool) -> list[dict]:

@@ -21,7 +21,8 @@ autogroup scheduler shares the CPU between sessions, whatever their nice) the ot
   the LM head to it with no norm: dflash_family_model.py `_aligned_target_hidden` -> `self.lm_head(...)`) until
   `--capture-share` of the budget is spent or every sample is captured, then `specforge train` (strategy dspark,
   NO_SHARD/DDP, sdpa, bf16) runs until the budget ends (killed there; its LR cosine is planned for
-  `--specforge-step-s` seconds per step) and saves every `save_every` steps.
+  `--specforge-step-s` seconds per step, its warmup is ours' in steps, or in wall time with `--ours-step-s`: both
+  step times come from a short calibration run of the two side by side) and saves every `save_every` steps.
 
 Checkpoints nearest to `--points` evenly spaced fractions of the budget are exported (ours: our exporter; SpecForge:
 `specforge export --to hf`, read by `dspark eval` as it is) and evaluated by `dspark eval` on the first `--prompts`
@@ -189,7 +190,8 @@ def specforge_checkpoints(out: Path) -> dict[int, Path]:
 
 
 def run_specforge(recipe, dcfg, target_dir: Path, samples: list, folder: Path, minutes: float, nproc: int,
-                  capture_share: float, step_s: float, dtype_name: str = "bfloat16") -> dict:
+                  capture_share: float, step_s: float, ours_step_s: float = 0.0,
+                  dtype_name: str = "bfloat16") -> dict:
     from dspark_sgl.targets.hf import HFTarget
     from training.data import epoch_order
 
@@ -207,7 +209,9 @@ def run_specforge(recipe, dcfg, target_dir: Path, samples: list, folder: Path, m
     max_steps = max(1, int((deadline - time.time()) / step_s))
     from training.trainer import total_steps
 
-    warmup = round(recipe.optim.warmup_ratio * total_steps(recipe, len(samples)))  # what ours uses
+    warmup = round(recipe.optim.warmup_ratio * total_steps(recipe, len(samples)))  # what ours uses, in steps
+    if ours_step_s > 0:  # the same warmup in wall time: at 4x ours' step time, equal steps would be 4x the minutes
+        warmup = max(1, round(warmup * ours_step_s / step_s))
     cfg = specforge_config(recipe, dcfg, target_dir, folder, max_steps, nproc, dtype_name, warmup)
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), str(BIN / "specforge"), "train", "-c", str(cfg),
            f"deployment.trainer.nproc_per_node={nproc}"]
@@ -303,6 +307,9 @@ def main(
     capture_share: Annotated[float, typer.Option(min=0.01, max=0.99)] = 0.25,
     specforge_step_s: Annotated[float, typer.Option(help="Seconds per SpecForge step (plans its LR cosine).")] = 2.0,
     ours_startup_s: Annotated[float, typer.Option(help="Launch-to-clock seconds taken off ours' LR budget.")] = 15.0,
+    ours_step_s: Annotated[float, typer.Option(
+        help="Seconds per step of ours (from a calibration run): SpecForge's warmup is then ours' in wall time, "
+             "not in steps. 0: the same number of steps.")] = 0.0,
     points: Annotated[int, typer.Option(min=1)] = 3,
     prompts: Annotated[int, typer.Option(min=1)] = 20,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 96,
@@ -331,7 +338,7 @@ def main(
                                      ours_startup_s)
         else:
             runs[trainer] = run_specforge(rec, full, target_dir, samples, root / trainer, minutes, each,
-                                          capture_share, specforge_step_s)
+                                          capture_share, specforge_step_s, ours_step_s)
         runs[trainer]["ranks"] = each
         print(f"[{trainer}] {json.dumps({k: v for k, v in runs[trainer].items() if k != 'checkpoints'})}", flush=True)
 
@@ -372,6 +379,7 @@ def main(
                                        ours_startup_s=ours_startup_s,
                                        max_new_tokens=max_new_tokens, sets=SETS, nproc=nproc, same_vocab=same_vocab,
                                        capture_share=capture_share, specforge_step_s=specforge_step_s,
+                                       ours_step_s=ours_step_s,
                                        concurrent=concurrent,
                                        samples=len(samples)),
               "note": note,
