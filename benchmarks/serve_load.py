@@ -148,10 +148,60 @@ def summarize(runs: list[dict]) -> list[dict]:
         rows.append(row)
     base = "plain" if any(r["method"] == "plain" for r in rows) else "plain no-overlap"
     plain = {(r["set"], r["concurrency"]): r["output_throughput"]["median"] for r in rows if r["method"] == base}
+    per_rep = {(r["set"], r["concurrency"], r["repeat"]): r["output_throughput"] for r in runs if r["method"] == base}
     for r in rows:
-        base = plain.get((r["set"], r["concurrency"]))
-        r["tok_s_vs_plain"] = None if not base else round(r["output_throughput"]["median"] / base, 3)
+        ref = plain.get((r["set"], r["concurrency"]))
+        r["tok_s_vs_plain"] = None if not ref else round(r["output_throughput"]["median"] / ref, 3)
+        # paired: each repeat's ratio to plain's run of the same repeat (minutes apart, not a whole run apart)
+        paired = [x["output_throughput"] / per_rep[key] for x in groups[(r["method"], r["set"], r["concurrency"])]
+                  if (key := (x["set"], x["concurrency"], x["repeat"])) in per_rep and per_rep[key]]
+        r["vs_plain_paired"] = spread(paired) if paired else None
     return rows
+
+
+def markdown(record: dict) -> str:
+    """The result file as docs tables: out tok/s median [range] (paired ratio to plain: median [range]), TTFT, and the
+    DSPARK servers' per-bucket record."""
+    rows = summarize(record["runs"])  # the paired ratios too, for a file written before they existed
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells = {(r["set"], r["concurrency"], r["method"]): r for r in rows}
+    keys = sorted({(r["set"], r["concurrency"]) for r in rows})
+    out = ["| set | conc. | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for name, c in keys:
+        line = []
+        for m in methods:
+            r = cells.get((name, c, m))
+            if r is None:
+                line.append("-")
+                continue
+            t, p, acc = r["output_throughput"], r.get("vs_plain_paired"), r["accept_length"]
+            ratio = "" if not p else f" ({p['median']:.2f}× [{p['min']:.2f}–{p['max']:.2f}])"
+            line.append(f"{t['median']:.1f} [{t['min']:.1f}–{t['max']:.1f}]{ratio}"
+                        + (f", acc {acc['median']:.2f}" if acc else "") + f", n={r['repeats']}")
+        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+    out += ["", "| set | conc. | " + " | ".join(f"{m} TTFT p50 / p99 ms" for m in methods) + " |",
+            "|---|---|" + "---|" * len(methods)]
+    for name, c in keys:
+        line = []
+        for m in methods:
+            r = cells.get((name, c, m))
+            line.append("-" if r is None else f"{r['median_ttft_ms']['median']:.0f} / {r['p99_ttft_ms']['median']:.0f}")
+        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+    for m, info in (record.get("dspark_server_info") or {}).items():
+        if not info:
+            continue
+        out += ["", f"{m}: per batch bucket (`/server_info` at the end)", "",
+                "| bucket | steps | speculated | match steps | widths | predicted / realized accept "
+                "| step ms median / p99 / max | > 2× median |", "|---|---|---|---|---|---|---|---|"]
+        for b, r in info["buckets"].items():
+            st = r.get("step_time_ms") or {}
+            acc = ("-" if r["predicted_accept_length"] is None
+                   else f"{r['predicted_accept_length']:.2f} / {r['realized_accept_length']:.2f}")
+            out.append(f"| {b} | {r['steps']} | {100 * r['speculated_share']:.1f} % | "
+                       f"{100 * r.get('match_step_share', 0):.1f} % | {r['width_hist']} | {acc} | "
+                       + (f"{st['median']:.0f} / {st['p99']:.0f} / {st['max']:.0f} | {st['over_2x_median']}"
+                          if st else "- | -") + " |")
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path, cpu: str) -> None:
@@ -203,9 +253,13 @@ def main(
                                                      "at most 16) before the servers start, into a cost cache "
                                                      "every DSPARK ours server then loads (as an operator "
                                                      "would); off: each starts cold.")] = True,
+    report: Annotated[Path | None, typer.Option(help="Print a result file's tables as Markdown and exit.")] = None,
     out: Path = Path("out/bench/serve_load_adaptive.json"),
     plot_path: Annotated[Path | None, typer.Option("--plot")] = None,
 ) -> None:
+    if report is not None:
+        print(markdown(json.loads(report.read_text())))
+        return
     py = sglang_python()
     if py is None:
         raise typer.BadParameter("no venv with sglang + dspark_sgl: run .ci/install_sglang.sh, set DSPARK_SGL_VENV")
@@ -289,9 +343,9 @@ def main(
                                           f"TTFT p99 {row['p99_ttft_ms']:.0f} ms")
                             runs.append({**row, "tool_record": rec})
                             write_record(out, inputs, runs, info, identity, complete=False)  # a cut run keeps these
-            info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
-                    for m in names if m.startswith("DSPARK ours")}
-            write_record(out, inputs, runs, info, identity, complete=False)
+                info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
+                        for m in names if m.startswith("DSPARK ours")}  # cumulative: after every repeat
+                write_record(out, inputs, runs, info, identity, complete=False)
             identity = t0_identity(servers, target, prompt_files, output_len)
     rows = write_record(out, inputs, runs, info, identity, complete=True)
     cpu = provenance()["cpu"]

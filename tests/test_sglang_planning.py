@@ -67,6 +67,19 @@ def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]
 
 
+def test_server_info_reports_each_buckets_step_time_spread(monkeypatch):
+    """/server_info's step_time_ms per bucket: median, p99, max and the steps over twice the median, from the
+    timings the worker hands the planner (every kind of step), never from another bucket's."""
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 20.0}, repeats=5)  # 5 x 10 ms + 5 x 22 ms
+    planner.observe_timing({"batch_size": 4, "speculate": False, "width": 1}, {"verify": 0.050})  # a stall
+    planner.observe_timing({"batch_size": 1, "speculate": False, "width": 1}, {"verify": 0.005})
+    spread = {b: r["step_time_ms"] for b, r in planner.info()["buckets"].items()}
+    assert spread["4"] == {"timed": 11, "median": 22.0, "p99": 50.0, "max": 50.0, "over_2x_median": 1}
+    assert spread["1"] == {"timed": 1, "median": 5.0, "p99": 5.0, "max": 5.0, "over_2x_median": 0}
+
+
 def test_an_operator_sps_table_prices_the_width_only(tmp_path, monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     path = tmp_path / "sps.json"
@@ -116,7 +129,6 @@ def test_operator_switch_cap_and_run_time_fraction(monkeypatch):
     assert not planner.decide(1).speculate
     planner.set_forced_fraction(1.0)  # back to the operator's mode
     assert not planner.decide(1).speculate and planner.info()["speculate"] == "off"
-    assert planner.decide(1, needs_full_window=True).speculate  # a logprob request reads a full window
 
 
 def test_per_machine_cache_keeps_the_learnt_costs(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ SGLang venv of .ci/install_sglang.sh at $DSPARK_SGL_VENV (default /work/sgl-venv
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import sys
@@ -251,6 +252,59 @@ def test_run_time_switch_under_concurrent_traffic_loses_nothing(dspark, prompt_i
     widths = {w for b in info["buckets"].values() for w in b["width_hist"]}
     print(f"run-time switch: {speculated:.0f} of {steps} steps speculated, widths {sorted(widths)}")
     assert 0 < speculated < steps, info["buckets"]
+
+
+@functools.cache
+def _hf_model(target_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+
+
+def _hf_logprobs(target_dir: Path, prompt: list[int], out: list[int], k: int) -> tuple[list[float], list[list[int]]]:
+    """An independent reference: transformers' fp32 forward over prompt + out; the log-probability of each output
+    token after the first (the first comes from prefill) and the top-k ids at that position."""
+    import torch
+
+    model = _hf_model(target_dir)
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + out])).logits[0].float().log_softmax(-1)
+    rows = logp[len(prompt) : len(prompt) + len(out) - 1]  # row i predicts out[i + 1]
+    return rows.gather(1, torch.tensor(out[1:])[:, None])[:, 0].tolist(), rows.topk(k, -1).indices.tolist()
+
+
+@pytest.mark.parametrize("frac,widest", [(0.25, 2), (0.1, 1)])
+def test_logprob_requests_keep_the_steps_width_and_return_the_targets_logprobs(dspark, target_dir, prompt_ids, plain,
+                                                                               frac, widest):
+    """A `return_logprob` request no longer widens every row's verify to the full window: with the width capped by
+    the run-time switch (2, then 1: off steps), no step verifies wider, the tokens are plain decoding's, and the
+    returned token and top-3 logprobs equal an independent fp32 transformers forward over those tokens."""
+    n = 6
+    dspark.post("/flush_cache", {})
+    assert dspark.post("/set_internal_state", {"server_args": {"dspark_clear_info_records": True}}) == [True]
+    force(dspark, frac)
+    try:
+        outs = dspark.post("/generate", {"input_ids": prompt_ids[:n], "return_logprob": True, "top_logprobs_num": 3,
+                                         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0}})
+        info = dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]
+    finally:
+        force(dspark, 1.0)
+    assert [o["output_ids"] for o in outs] == plain["batched"][:n]
+    widths = {int(w) for b in info["buckets"].values() for w in b["width_hist"]}
+    assert max(widths) == widest, info["buckets"]  # the old rule verified the full window (8) for logprob requests
+    worst = 0.0
+    for ids, o in zip(prompt_ids[:n], outs, strict=True):
+        meta = o["meta_info"]
+        served = [lp for lp, _, _ in meta["output_token_logprobs"]][1:]
+        top = [[t for _, t, _ in row] for row in meta["output_top_logprobs"]][1:]
+        ref, ref_top = _hf_logprobs(target_dir, ids, o["output_ids"], 3)
+        assert len(served) == len(ref) == len(o["output_ids"]) - 1
+        worst = max(worst, max(abs(a - b) for a, b in zip(served, ref, strict=True)))
+        assert [t[0] for t in top] == [t[0] for t in ref_top]  # the argmax (= the emitted token at T=0)
+        assert sum(a == b for a, b in zip(top, ref_top, strict=True)) >= 0.9 * len(top)  # near-ties may swap
+    print(f"logprobs at width <= {widest}: max |served - transformers| = {worst:.2e}")
+    assert worst < 1e-3
 
 
 def test_plugin_loaded_in_launcher_scheduler_and_detokenizer(dspark):

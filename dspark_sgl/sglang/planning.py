@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,7 @@ class BucketRecord:
     rows: int = 0  # request-steps that speculated
     predicted: float = 0.0  # summed over those request-steps: 1 + E[accepted] as predicted before drafting
     realized: Tensor | int = 0  # summed: 1 + accepted
+    step_s: deque = field(default_factory=lambda: deque(maxlen=1024))  # the worker's timed steps, any kind
 
     def to_dict(self) -> dict:
         n = max(self.rows, 1)
@@ -124,7 +126,19 @@ class BucketRecord:
                 "match_step_share": round(self.match_steps / max(self.steps, 1), 4),
                 "width_hist": {str(w): c for w, c in sorted(self.widths.items())},
                 "predicted_accept_length": round(self.predicted / n, 4) if self.rows else None,
-                "realized_accept_length": round(float(self.realized) / n, 4) if self.rows else None}
+                "realized_accept_length": round(float(self.realized) / n, 4) if self.rows else None,
+                "step_time_ms": step_spread(self.step_s)}
+
+
+def step_spread(seconds) -> dict | None:
+    """The worker's step times of a bucket (last 1,024; off, match and speculative steps alike): median, p99, max
+    and how many took more than twice the median (issue 41's "no decode step longer than 2x its bucket's median")."""
+    if not seconds:
+        return None
+    ms = sorted(1e3 * t for t in seconds)
+    median = ms[len(ms) // 2]
+    return {"timed": len(ms), "median": round(median, 2), "p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2),
+            "max": round(ms[-1], 2), "over_2x_median": sum(t > 2 * median for t in ms)}
 
 
 @dataclass
@@ -227,11 +241,9 @@ class VerifyPlanner:
         logger.info("dspark-sgl: speculation %s", "by the full-cost rule" if self.forced_width is None else
                     f"forced: verify width <= {self.forced_width}" + (" (off)" if self.forced_width == 1 else ""))
 
-    def decide(self, batch_size: int, needs_full_window: bool = False) -> Decision:
-        """Before drafting: speculate this step? `needs_full_window` (a logprob request: SGLang's spec logprobs read
-        a full window) speculates."""
-        if needs_full_window:
-            return Decision(True, "logprob")
+    def decide(self, batch_size: int) -> Decision:
+        """Before drafting: speculate this step? The operator's switch, else the full-cost rule. A logprob request
+        changes nothing: its logprobs are read from the columns this step verifies, whatever their width."""
         if self.forced_width is not None:
             return Decision(self.forced_width > 1, "forced")
         return self.rule.decide(batch_size)
@@ -299,6 +311,7 @@ class VerifyPlanner:
         the rest at its width; an off step: its whole time)."""
         bs, spec = meta["batch_size"], meta["speculate"]
         draft_s, after_s = costs_of_step(seconds)
+        self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append(draft_s + after_s)
         if meta.get("match"):  # no draft pass: T_after(width) only
             self.rule.observe_match(bs, int(meta["width"]), after_s)
         elif spec:

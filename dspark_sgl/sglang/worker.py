@@ -426,7 +426,7 @@ class DSparkWorker(BaseSpecWorker):
     def _decide(self, batch, bs: int):
         """Speculate this step? The full-cost rule from earlier steps (or the operator's switch); under TP rank 0's
         answer on every rank (each rank's step timings differ, so each would decide otherwise)."""
-        decision = self.planner.decide(bs, needs_full_window=bool(batch.return_logprob))
+        decision = self.planner.decide(bs)
         if self.ranks.active:
             flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
             decision.speculate = bool(self.ranks.share(flag)[0])
@@ -453,7 +453,7 @@ class DSparkWorker(BaseSpecWorker):
 
     def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None):
         """Draft block -> rollout -> verify lengths and the step's width (every rank verifies rank 0's drafts)."""
-        W, bs = self.verify_width, len(anchor)
+        bs = len(anchor)
         ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, longest)
         h = self.draft.forward_step(anchor, ctx)
         self.times.mark("draft")
@@ -465,9 +465,7 @@ class DSparkWorker(BaseSpecWorker):
         else:
             lengths = self.planner.verify_lengths(prop.conf_logits, bs, self.device)
         w = self.planner.host_width(prop.conf_logits)  # known on the host without reading lengths, or None
-        if batch.return_logprob:  # SGLang's spec logprobs read a full window
-            lengths, w = torch.full_like(lengths, W), W
-        elif w is None and not self.on_cpu:  # on a CPU this step's own width is read below: host memory, no sync
+        if w is None and not self.on_cpu:  # on a CPU this step's own width is read below: host memory, no sync
             w = self._host_width(tuple(r.rid for r in batch.reqs))
             lengths = lengths.clamp(max=w)
         lengths = self._cap_stale(lengths, ctx.stale)
@@ -495,8 +493,8 @@ class DSparkWorker(BaseSpecWorker):
         self.slot_tokens.write(loc, verify_ids[:, :w].reshape(-1), keep)
         logits_output.hidden_states = None
 
-        if batch.return_logprob:
-            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=W)
+        if batch.return_logprob:  # the committed tokens all lie in the verified columns: chain layout at width w
+            compute_spec_logprobs(batch, logits_output, out_tokens[:, :w].reshape(-1), chain_stride=w)
         new_seq_lens = seq_lens + c + 1
         self.times.mark("commit")
         if on_publish is not None:
