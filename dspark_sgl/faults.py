@@ -38,6 +38,8 @@ The sites (docs/testing.md has the table of which test catches which):
                       that cannot pay (speculative/scheduler.py CostTable.spec_seconds, shared)
     decide_peek     - the full-cost rule turns speculation off after drafting when this step's own survivals say it
                       does not pay: whether x_1 is verified then depends on x_1 (scheduler.FullCostRule.widths, shared)
+    grammar_mask    - the worker leaves the target's verify logits unmasked by the requests' grammars
+                      (sglang/worker._grammar_mask)
     export_transpose - the export writes layer 0's o_proj transposed (square: every loader takes it)
                       (model/formats.export_state_dict)
     export_d2t      - the export maps the last draft id one target id too far (model/formats.export_state_dict)
@@ -62,7 +64,7 @@ ENV = "DSPARK_SGL_PLANT"
 PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
-    "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats",
+    "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats", "grammar_mask",
 })
 
 

@@ -11,9 +11,11 @@ SGLang venv of .ci/install_sglang.sh at $DSPARK_SGL_VENV (default /work/sgl-venv
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,10 @@ pytestmark = [
 
 MAX_NEW = 32
 GAMMA = 7
+GRAMMAR_N = 4  # constrained requests per grammar (the other prompts run free beside them)
+GRAMMARS = {"regex": r"(yes|no), because [a-z ,]{4,60}\.",
+            "json_schema": json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {
+                "type": "string", "maxLength": 12}}, "required": ["answer", "unit"]})}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -76,7 +82,9 @@ def plain(target_dir, prompt_ids) -> dict[str, list[list[int]]]:
     with Server(target_dir) as s:
         batched = [o["output_ids"] for o in s.generate(prompt_ids, MAX_NEW)]
         single = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:3]]
-    return {"batched": batched, "single": single}
+        grammar = {kind: [o["output_ids"] for o in s.generate(prompt_ids[:GRAMMAR_N], MAX_NEW, **{kind: spec})]
+                   for kind, spec in GRAMMARS.items()}
+    return {"batched": batched, "single": single, "grammar": grammar}
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +198,6 @@ def test_confidence_schedule_runs_fewer_target_tokens(dspark, good_draft, prompt
     --speculative-dspark-sps-table-path pointed. Then, with the fixed verify-only SPS table above loaded through a
     live update (a draft folder's sps.json) and speculation forced on, the target verifies only the scheduled prefix:
     more than the anchor and fewer than γ+1 tokens per request on average, and output stays identical."""
-    import json
-
     from training.publish import push
 
     info = dspark.get("/server_info")["internal_states"][0]["dspark_info_record"]  # reading it writes the table
@@ -226,7 +232,6 @@ def test_confidence_schedule_runs_fewer_target_tokens(dspark, good_draft, prompt
 def test_run_time_switch_under_concurrent_traffic_loses_nothing(dspark, prompt_ids, plain):
     """Speculation switched off, on (width <= 2), off and back to the rule while 24 requests run: every output is plain
     decoding's, and the record shows both off steps and speculative steps."""
-    import threading
     import time
 
     dspark.post("/flush_cache", {})
@@ -314,15 +319,43 @@ def test_plugin_loaded_in_launcher_scheduler_and_detokenizer(dspark):
     assert f"dspark-sgl DSparkWorker: block size {GAMMA}" in log  # the scheduler built our worker
 
 
-def test_a_grammar_request_is_refused_alone_and_the_server_keeps_serving(dspark, prompt_ids, plain):
-    import urllib.error
+def grammar_outputs(server: Server, prompt_ids: list[list[int]], frac: float) -> dict[str, list[list[int]]]:
+    """Each grammar's T = 0 outputs with the run-time switch at `frac`, beside free requests in the same batch."""
+    server.post("/flush_cache", {})
+    force(server, frac)
+    try:
+        out = {}
+        for kind, spec in GRAMMARS.items():
+            free = threading.Thread(target=server.generate, args=(prompt_ids[GRAMMAR_N:], MAX_NEW))
+            free.start()  # free requests share the batch with the constrained ones
+            out[kind] = [o["output_ids"] for o in server.generate(prompt_ids[:GRAMMAR_N], MAX_NEW, **{kind: spec})]
+            free.join(timeout=600)
+        return out
+    finally:
+        force(server, 1.0)
 
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        dspark.post("/generate", {"input_ids": prompt_ids[0], "sampling_params": {
-            "max_new_tokens": 8, "temperature": 0.0, "json_schema": '{"type": "object"}'}})
-    assert refused.value.code == 400
-    assert "--grammar-backend none" in refused.value.read().decode()
-    assert dspark.generate(prompt_ids[:1], MAX_NEW)[0]["output_ids"] == plain["batched"][0]
+
+@pytest.mark.parametrize("frac", [0.99, 0.1])  # every step speculates (full window); every step is an off step
+def test_grammar_requests_are_served_losslessly(dspark, prompt_ids, plain, frac):
+    """JSON-schema and regex requests: the target's verify logits are masked by each request's grammar along the
+    chain (acceptance, bonus and off-step draws read the constrained distribution), so the T = 0 outputs equal
+    plain SGLang's with the same grammar, on speculative steps (whose bigram drafts were learnt from unconstrained
+    text) and off steps alike. A planted worker that skips the mask fails (next test)."""
+    outs = grammar_outputs(dspark, prompt_ids, frac)
+    assert outs == plain["grammar"]
+    text = dspark.post("/generate", {"text": "Is the sky blue?", "sampling_params": {
+        "max_new_tokens": 48, "temperature": 0.0, "regex": GRAMMARS["regex"]}})["text"]
+    assert re.fullmatch(GRAMMARS["regex"], text), text
+
+
+def test_planted_unmasked_grammar_is_caught(target_dir, good_draft, prompt_ids, plain):
+    """DSPARK_SGL_PLANT=grammar_mask (the verify logits left unconstrained) must fail the identity above."""
+    args = dspark_args(good_draft, "--speculative-dspark-block-size", str(GAMMA))
+    with Server(target_dir, args, env={"DSPARK_SGL_PLANT": "grammar_mask"}) as planted_server:
+        outs = grammar_outputs(planted_server, prompt_ids, 0.99)
+    same = sum(a == b for k in GRAMMARS for a, b in zip(outs[k], plain["grammar"][k], strict=True))
+    print(f"planted grammar_mask: {same} of {GRAMMAR_N * len(GRAMMARS)} grammar outputs still equal plain's")
+    assert outs != plain["grammar"]
 
 
 def test_sampled_requests_complete(dspark, prompt_ids):

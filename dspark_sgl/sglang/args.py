@@ -78,12 +78,6 @@ def handle_dspark_args(server_args) -> None:
     if getattr(cfg, "enable_watermark", False):
         raise ValueError("dspark-sgl DSPARK does not support --enable-watermark: the watermark replaces how tokens "
                          "are drawn, which speculative verification cannot reproduce; drop one of the two")
-    if cfg.grammar_backend not in (None, "none"):
-        # The worker does not mask draft/verify rows by a grammar yet. With no grammar backend SGLang refuses each
-        # json_schema / regex / ebnf request on its own, with its own message, and the server keeps serving.
-        declare_resolution(server_args, SOURCE, grammar_backend="none")
-        logger.warning("dspark-sgl DSPARK: grammar-constrained requests are not supported yet; they are refused "
-                       "one by one (--grammar-backend none). Serve them with the builtin DSPARK or without DSPARK.")
     logger.info("dspark-sgl DSPARK: draft %s, block size %d", cfg.speculative_draft_model_path, draft.block_size)
 
 

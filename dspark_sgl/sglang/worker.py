@@ -36,6 +36,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify_window
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 from torch import Tensor
 
 from dspark_sgl.dtypes import dtype_name, resolve_dtype
@@ -341,9 +342,7 @@ class DSparkWorker(BaseSpecWorker):
             return self._idle_result(on_publish)
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self._forward_prefill(batch, on_publish)
-        if batch.has_grammar:
-            raise NotImplementedError("dspark-sgl DSPARK does not support grammar-constrained requests yet")
-        return self._forward_decode(batch, on_publish)
+        return self._forward_decode(batch, on_publish, grammar_barrier)
 
     @torch.no_grad()
     def _forward_prefill(self, batch, on_publish) -> GenerationBatchResult:
@@ -366,7 +365,7 @@ class DSparkWorker(BaseSpecWorker):
         return out
 
     @torch.no_grad()
-    def _forward_decode(self, batch, on_publish) -> GenerationBatchResult:
+    def _forward_decode(self, batch, on_publish, grammar_barrier=None) -> GenerationBatchResult:
         """decide -> [draft -> rollout -> width] -> verify -> accept -> commit. An off step (the rule's "no") verifies
         the anchor alone (a width-1 verify is a plain decode step: SGLang's window, capture and KV slots as usual)
         and draws the next token from the target's distribution exactly as plain decoding does. A match step (the
@@ -404,6 +403,8 @@ class DSparkWorker(BaseSpecWorker):
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
         logits_output, can_run_graph = self._verify(batch, draft_input, window, verify_ids[:, :w])
+        if batch.has_grammar:
+            self._grammar_mask(batch, logits_output, verify_ids[:, :w], grammar_barrier)
         self.times.mark("verify")
         logits = self._target_logits(batch, rows, logits_output, drafts[:, : w - 1], anchor, seq_lens, longest)
         if prop is None:
@@ -554,6 +555,20 @@ class DSparkWorker(BaseSpecWorker):
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
         return out.logits_output, out.can_run_cuda_graph
+
+    def _grammar_mask(self, batch, logits_output, verify_ids: Tensor, barrier) -> None:
+        """Grammar-constrained requests (JSON schema, regex, EBNF): the target's verify logits masked by each
+        request's grammar along its chain [anchor, x1..x_{w-1}] (SGLang's own traversal, as its builtin DSPARK does),
+        so every later step (acceptance, the bonus draw, returned logprobs) reads the constrained distribution. A
+        draft token the grammar forbids has probability 0 there and is rejected: lossless at every temperature,
+        whatever the draft proposed. SGLang's result processor advances each grammar over the committed tokens."""
+        if planted("grammar_mask"):  # the target's unconstrained distribution
+            return
+        mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=GrammarTree.from_linear_chain(verify_ids),
+                                        sampling_info=batch.sampling_info,
+                                        device=logits_output.next_token_logits.device, barrier=barrier)
+        if mask is not None:
+            mask.apply(logits_output.next_token_logits)
 
     def _target_logits(self, batch, rows, logits_output, drafts: Tensor, anchor: Tensor, seq_lens: Tensor,
                        longest: int | None) -> Tensor:
