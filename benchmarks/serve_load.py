@@ -187,6 +187,14 @@ def markdown(record: dict) -> str:
             r = cells.get((name, c, m))
             line.append("-" if r is None else f"{r['median_ttft_ms']['median']:.0f} / {r['p99_ttft_ms']['median']:.0f}")
         out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+    out += ["", "| set | conc. | " + " | ".join(f"{m} ITL p50 ms" for m in methods) + " |",
+            "|---|---|" + "---|" * len(methods)]
+    for name, c in keys:
+        line = []
+        for m in methods:
+            r = cells.get((name, c, m))
+            line.append("-" if r is None else f"{r['median_itl_ms']['median']:.1f}")
+        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
     for m, info in (record.get("dspark_server_info") or {}).items():
         if not info:
             continue
