@@ -297,7 +297,10 @@ def test_logprob_requests_keep_the_steps_width_and_return_the_targets_logprobs(d
         force(dspark, 1.0)
     assert [o["output_ids"] for o in outs] == plain["batched"][:n]
     widths = {int(w) for b in info["buckets"].values() for w in b["width_hist"]}
-    assert max(widths) == widest, info["buckets"]  # the old rule verified the full window (8) for logprob requests
+    assert sum(b["steps"] for b in info["buckets"].values()) > 0, info
+    # the histogram counts speculative steps only: none at all when every step is off (width 1); the old rule
+    # verified the full window (8) for logprob requests
+    assert max(widths, default=1) == widest, info["buckets"]
     worst = 0.0
     for ids, o in zip(prompt_ids[:n], outs, strict=True):
         meta = o["meta_info"]
@@ -326,10 +329,21 @@ def grammar_outputs(server: Server, prompt_ids: list[list[int]], frac: float) ->
     try:
         out = {}
         for kind, spec in GRAMMARS.items():
-            free = threading.Thread(target=server.generate, args=(prompt_ids[GRAMMAR_N:], MAX_NEW))
-            free.start()  # free requests share the batch with the constrained ones
-            out[kind] = [o["output_ids"] for o in server.generate(prompt_ids[:GRAMMAR_N], MAX_NEW, **{kind: spec})]
-            free.join(timeout=600)
+            free: list = []
+
+            def run_free(free=free) -> None:
+                try:
+                    free.extend(o["output_ids"] for o in server.generate(prompt_ids[GRAMMAR_N:], MAX_NEW))
+                except Exception as e:  # noqa: BLE001 - recorded; the caller compares
+                    free.append(repr(e))
+
+            thread = threading.Thread(target=run_free)
+            thread.start()  # free requests share the batch with the constrained ones
+            try:
+                out[kind] = [o["output_ids"] for o in server.generate(prompt_ids[:GRAMMAR_N], MAX_NEW, **{kind: spec})]
+            finally:
+                thread.join(timeout=600)
+            out[f"free beside {kind}"] = free
         return out
     finally:
         force(server, 1.0)
@@ -342,20 +356,29 @@ def test_grammar_requests_are_served_losslessly(dspark, prompt_ids, plain, frac)
     plain SGLang's with the same grammar, on speculative steps (whose bigram drafts were learnt from unconstrained
     text) and off steps alike. A planted worker that skips the mask fails (next test)."""
     outs = grammar_outputs(dspark, prompt_ids, frac)
-    assert outs == plain["grammar"]
+    for kind in GRAMMARS:
+        assert outs[kind] == plain["grammar"][kind], kind
+        assert outs[f"free beside {kind}"] == plain["batched"][GRAMMAR_N:], kind
     text = dspark.post("/generate", {"text": "Is the sky blue?", "sampling_params": {
         "max_new_tokens": 48, "temperature": 0.0, "regex": GRAMMARS["regex"]}})["text"]
     assert re.fullmatch(GRAMMARS["regex"], text), text
 
 
 def test_planted_unmasked_grammar_is_caught(target_dir, good_draft, prompt_ids, plain):
-    """DSPARK_SGL_PLANT=grammar_mask (the verify logits left unconstrained) must fail the identity above."""
+    """DSPARK_SGL_PLANT=grammar_mask (the verify logits left unconstrained) must fail the identity above: either
+    the outputs differ, or SGLang aborts the request (500) when its grammar is handed a token it forbids."""
+    import urllib.error
+
     args = dspark_args(good_draft, "--speculative-dspark-block-size", str(GAMMA))
     with Server(target_dir, args, env={"DSPARK_SGL_PLANT": "grammar_mask"}) as planted_server:
-        outs = grammar_outputs(planted_server, prompt_ids, 0.99)
+        try:
+            outs = grammar_outputs(planted_server, prompt_ids, 0.99)
+        except urllib.error.HTTPError as aborted:
+            print(f"planted grammar_mask: request aborted ({aborted.code}): the grammar met a forbidden token")
+            return
     same = sum(a == b for k in GRAMMARS for a, b in zip(outs[k], plain["grammar"][k], strict=True))
     print(f"planted grammar_mask: {same} of {GRAMMAR_N * len(GRAMMARS)} grammar outputs still equal plain's")
-    assert outs != plain["grammar"]
+    assert any(outs[k] != plain["grammar"][k] for k in GRAMMARS)
 
 
 def test_sampled_requests_complete(dspark, prompt_ids):
