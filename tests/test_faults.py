@@ -201,7 +201,8 @@ ENGINE_CHECKS = {
     "match_step_stats": check_match_steps_skip_the_draft,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
-WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree"}
+# grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)
+WORKER_ONLY = {"hybrid_commit", "hybrid_state", "stale_cap", "rank_sync", "rank_agree", "grammar_mask"}
 # export_transpose, export_d2t: tests/test_vllm_interop.py (vLLM's own loader and draft step against ours)
 EXPORT_ONLY = {"export_transpose", "export_d2t"}
 
