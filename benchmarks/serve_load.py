@@ -179,22 +179,14 @@ def markdown(record: dict) -> str:
             line.append(f"{t['median']:.1f} [{t['min']:.1f}–{t['max']:.1f}]{ratio}"
                         + (f", acc {acc['median']:.2f}" if acc else "") + f", n={r['repeats']}")
         out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
-    out += ["", "| set | conc. | " + " | ".join(f"{m} TTFT p50 / p99 ms" for m in methods) + " |",
-            "|---|---|" + "---|" * len(methods)]
-    for name, c in keys:
-        line = []
-        for m in methods:
-            r = cells.get((name, c, m))
-            line.append("-" if r is None else f"{r['median_ttft_ms']['median']:.0f} / {r['p99_ttft_ms']['median']:.0f}")
-        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
-    out += ["", "| set | conc. | " + " | ".join(f"{m} ITL p50 ms" for m in methods) + " |",
-            "|---|---|" + "---|" * len(methods)]
-    for name, c in keys:
-        line = []
-        for m in methods:
-            r = cells.get((name, c, m))
-            line.append("-" if r is None else f"{r['median_itl_ms']['median']:.1f}")
-        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+    columns = {"TTFT p50 / p99 ms": lambda r: f"{r['median_ttft_ms']['median']:.0f} / {r['p99_ttft_ms']['median']:.0f}",
+               "ITL p50 ms": lambda r: f"{r['median_itl_ms']['median']:.1f}"}
+    for title, cell in columns.items():
+        out += ["", "| set | conc. | " + " | ".join(f"{m} {title}" for m in methods) + " |",
+                "|---|---|" + "---|" * len(methods)]
+        for name, c in keys:
+            line = ["-" if (r := cells.get((name, c, m))) is None else cell(r) for m in methods]
+            out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
     for m, info in (record.get("dspark_server_info") or {}).items():
         if not info:
             continue
