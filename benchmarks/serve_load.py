@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -368,8 +369,6 @@ def main(
 
 def profile(py: Path, target: str, draft: str, common: list[str], sizes: list[int], cache: Path, log: Path) -> dict:
     """`dspark profile-costs` with the DSPARK servers' own flags (the same cache key), before any server starts."""
-    import time
-
     cmd = [sys.executable, "-m", "dspark_sgl.cli", "profile-costs", "--python", str(py), "--target", target,
            "--dtype", "float32", "--device", "cpu", "--draft", draft, "--log", str(log),
            *[a for b in sizes for a in ("--batch-size", str(b))], *common]
