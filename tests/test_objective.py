@@ -238,6 +238,56 @@ def test_confidence_label_is_detached():
     assert draft.confidence_head.proj.weight.grad.abs().max() > 0
 
 
+def test_ce_against_the_teacher_argmax(monkeypatch):
+    """`ce_target: teacher` = the labels objective with every label replaced by the target's argmax at a+k, that
+    argmax computed here on its own (the full head on `last_hidden`); and its `correct` is then the `agree` stat."""
+    import training.objective as obj
+
+    batch = make_batch()
+    anchors, valid = anchors_for(batch)
+    draft = make_draft()
+    cfg = ObjectiveConfig(num_anchors=6, gamma_decay=2.5, vocab_chunk_rows=5, ce_target="teacher")
+    out = compute_objective(draft, batch, anchors, valid, cfg)
+    out.numerator.backward()
+    fast = grads(draft)
+    draft.zero_grad(set_to_none=True)
+    argmax_at = (batch.last_hidden @ draft.target.lm_head.weight.t()).argmax(-1)  # [B, S]: the target's x̂_{p+1}
+    real = obj.block_targets
+
+    def teacher_labels(b, a, v, gamma):
+        labels, prev, mask = real(b, a, v, gamma)
+        pos = (a[..., None] + torch.arange(gamma)).clamp(max=b.input_ids.shape[1] - 1)
+        return argmax_at.gather(1, pos.flatten(1)).view_as(labels), prev, mask
+
+    monkeypatch.setattr(obj, "block_targets", teacher_labels)
+    ref = compute_objective(draft, batch, anchors, valid, ObjectiveConfig(num_anchors=6, gamma_decay=2.5))
+    ref.numerator.backward()
+    torch.testing.assert_close(out.numerator.detach(), ref.numerator.detach(), atol=1e-5, rtol=1e-5)
+    assert_grads_close(fast, grads(draft))
+    s = dict(zip(STAT_NAMES, out.stats, strict=True))
+    assert torch.equal(s["correct"], s["agree"])
+    monkeypatch.undo()
+    labels_out = compute_objective(draft, batch, anchors, valid, ObjectiveConfig(num_anchors=6, gamma_decay=2.5))
+    assert float(labels_out.numerator.detach()) != pytest.approx(float(out.numerator.detach()), rel=1e-3)  # the lever changes the loss
+    with pytest.raises(ValueError, match="ce_target"):
+        ObjectiveConfig(ce_target="argmax")
+
+
+def test_confidence_detach_keeps_the_backbone_out_of_bce():
+    """With only BCE on, the trunk gets a gradient unless `confidence_detach`; the confidence head learns either way."""
+    batch = make_batch()
+    anchors, valid = anchors_for(batch)
+    trunk = {}
+    for detach in (False, True):
+        draft = make_draft()
+        cfg = ObjectiveConfig(num_anchors=6, ce_weight=0, l1_weight=0, bce_weight=1.0, confidence_detach=detach)
+        compute_objective(draft, batch, anchors, valid, cfg).numerator.backward()
+        assert draft.confidence_head.proj.weight.grad.abs().max() > 0
+        trunk[detach] = max(float(p.grad.abs().max()) for n, p in draft.named_parameters()
+                            if n.startswith("layers.") and p.grad is not None)
+    assert trunk[False] > 0 and trunk[True] == 0
+
+
 def test_vocab_loss_saves_no_vocab_sized_activation():
     """Peak memory is one chunk: nothing of shape [rows, V] is kept for backward, whatever the number of rows."""
     R, r = 300, 8

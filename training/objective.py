@@ -50,8 +50,17 @@ class ObjectiveConfig:
     # teacher, computed once per sample position (and cached with the capture across epochs): the k most likely
     # tokens plus the mass of the rest, scored as one lumped token (see `Teacher`).
     teacher_topk: int = 0
+    # What CE is measured against: "labels", the sample's next token (a human token on prefilled chat), or
+    # "teacher", the target's own most likely next token (what a T=0 verify accepts; on regenerated samples the
+    # two agree). Issue 40's lever 2: benchmarks/results/ablation_ce_target_xeon.json.
+    ce_target: str = "labels"
+    # Detach the backbone from the confidence BCE: the confidence head still learns, the shared trunk is trained by
+    # CE and L1 alone (issue 40's lever 4).
+    confidence_detach: bool = False
 
     def __post_init__(self) -> None:
+        if self.ce_target not in ("labels", "teacher"):
+            raise ValueError(f"ce_target must be 'labels' or 'teacher', got {self.ce_target!r}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
         if self.gamma_decay <= 0:
@@ -304,6 +313,15 @@ class VocabLoss(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None, None, None)
 
 
+def teacher_argmax(teacher: Teacher | None, tgt: Tensor | None, lm_full: Tensor, chunk: int) -> Tensor:
+    """The target's most likely next token per row (full-vocabulary ids): CE's label under `ce_target: teacher`."""
+    if teacher is not None:
+        return teacher.ids[:, 0]
+    with torch.no_grad():
+        return torch.cat([F.linear(tgt[s:s + chunk].to(lm_full.dtype), lm_full).argmax(-1)
+                          for s in range(0, tgt.shape[0], chunk)])
+
+
 # ---- the objective -----------------------------------------------------------------------------------------
 def compute_objective(
     draft: DSparkDraft, batch: Batch, anchors: Tensor, valid: Tensor, cfg: ObjectiveConfig
@@ -325,6 +343,8 @@ def compute_objective(
         rows_tgt = batch.last_hidden[b_idx, rows_pos]
     w = position_weights(gamma, cfg.gamma_decay, h.device)[k_idx]
     rows_labels, reduced = labels[b_idx, n_idx, k_idx], (None, None, None)
+    if cfg.ce_target == "teacher":
+        rows_labels = teacher_argmax(teacher, rows_tgt, draft.target.lm_head.weight, cfg.vocab_chunk_rows)
     if c.reduced_vocab:  # the K hot lm_head rows score the draft; the full head gives the target's distribution
         vocab = draft.vocab
         index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=vocab.device)
@@ -339,7 +359,8 @@ def compute_objective(
     conf_err = torch.zeros_like(alpha)
     if draft.confidence_head is not None:
         prev_rows = prev[b_idx, n_idx, k_idx]
-        conf = draft.confidence_head(rows_h, draft.markov_head.markov_w1(prev_rows).to(rows_h.dtype))
+        conf_h = rows_h.detach() if cfg.confidence_detach else rows_h
+        conf = draft.confidence_head(conf_h, draft.markov_head.markov_w1(prev_rows).to(rows_h.dtype))
         bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
         numerator = numerator + cfg.bce_weight * (w * bce).sum()
         conf_err = (torch.sigmoid(conf.detach()) - alpha).abs()
