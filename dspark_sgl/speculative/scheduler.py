@@ -31,7 +31,7 @@ Everything is vectorised torch on the confidences' device, with no host sync.
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -438,6 +438,8 @@ class _BucketState:
     since: int = 0  # decisions since the last switch
     decisions: int = 0
     speculated: int = 0
+    why: Counter = field(default_factory=Counter)  # speculative steps by reason ("rule", "cold", "explore", ...)
+    turned_on: int = 0  # times the rule switched the bucket from off to on
 
 
 @dataclass
@@ -486,6 +488,8 @@ class FullCostRule:
         st.decisions += 1
         decision = self._decide(batch_size, st)
         st.speculated += decision.speculate
+        if decision.speculate:
+            st.why[decision.why] += 1
         return decision
 
     def _decide(self, batch_size: int, st: _BucketState) -> Decision:
@@ -506,6 +510,7 @@ class FullCostRule:
             ratio = max(rates[0]) / rates[1]
             want = ratio > 1 + cfg.margin - (cfg.hysteresis if st.on else 0.0)
             if st.on is None or (want != st.on and st.since >= cfg.dwell):
+                st.turned_on += want and st.on is False
                 st.on, st.since = want, 0
         st.since += 1
         arm, why = bool(st.on), "rule"
@@ -604,6 +609,7 @@ class FullCostRule:
             spec_s, off_s = self.costs.spec_seconds(b), self.costs.off_seconds(b)
             out[str(b)] = {
                 "on": st.on, "decisions": st.decisions, "speculated": st.speculated,
+                "speculated_why": dict(st.why), "turned_on": st.turned_on,
                 "spec_ms_by_width": None if spec_s is None else [round(s * 1e3, 3) for s in spec_s],
                 "off_ms": None if off_s is None else round(off_s * 1e3, 3),
                 "best_spec_over_off": None if rates is None else round(max(rates[0]) / rates[1], 4),
