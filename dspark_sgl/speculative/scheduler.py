@@ -223,8 +223,8 @@ class ConfidencePlanner:
 # grows with the width w; a plain ("off") step pays one target decode. With B requests the rates are
 #     spec(w) = B (1 + E[accepted | w]) / (T_draft(B) + T_after(B, w))      off = B / T_off(B)
 # (T_after = verify + accept + commit of a width-w step). Before drafting, from earlier steps only, the rule speculates
-# when max_w spec(w) beats off by `margin` (and keeps speculating down to margin - hysteresis; a state holds for at
-# least `dwell` decisions of its bucket). E[accepted | w] is the running per-position acceptance of earlier steps. After
+# when max_w spec(w) beats off by `margin` (and keeps speculating down to margin - hysteresis; off holds for at least
+# `dwell` decisions of its bucket, on for `dwell_on`). E[accepted | w] is the running per-position acceptance of earlier steps. After
 # drafting, the width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with this step's
 # per-request survivals corrected by the running ratio realized / predicted per position (the confidence head's
 # calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision reads
@@ -366,13 +366,18 @@ class AcceptStats:
     confidence survival of the rows that verified draft j and `reached[j]` how many of them accepted it."""
 
     gamma: int
-    decay: float = 0.995
+    # Memory in rows, not steps: each row's weight falls by (1 - 1/memory_rows) per row recorded after it, so a
+    # bucket of 16 forgets in 16 steps what a bucket of 1 forgets in 256 (with a per-step decay of 0.995, the served
+    # load table's batch-16 cells ran on the previous prompt set's acceptance for most of their ~60 steps).
+    memory_rows: float = 256.0
     tested: torch.Tensor = field(init=False)
     passed: torch.Tensor = field(init=False)
     predicted: torch.Tensor = field(init=False)
     reached: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.memory_rows < 1:
+            raise ValueError(f"memory_rows must be >= 1, got {self.memory_rows}")
         for name in ("tested", "passed", "predicted", "reached"):
             setattr(self, name, torch.zeros(self.gamma, dtype=torch.float64))
 
@@ -382,8 +387,9 @@ class AcceptStats:
         c = accepted.detach().to("cpu", torch.float64)[:, None]
         j = torch.arange(1, self.gamma + 1, dtype=torch.float64)[None]
         verified = (j <= width - 1).to(torch.float64)
+        keep = (1.0 - 1.0 / self.memory_rows) ** c.shape[0]
         for name in ("tested", "passed", "predicted", "reached"):
-            getattr(self, name).mul_(self.decay)
+            getattr(self, name).mul_(keep)
         self.tested += ((c >= j - 1) * verified).sum(0)
         self.passed += ((c >= j) * verified).sum(0)
         if survival is not None:
@@ -409,9 +415,13 @@ class AcceptStats:
 class RuleConfig:
     """The full-cost rule's knobs (see `FullCostRule`)."""
 
-    margin: float = 0.05  # speculate when its expected tokens/s beat a plain step's by this fraction ...
-    hysteresis: float = 0.05  # ... and keep speculating until they fall below 1 + margin - hysteresis of it
-    dwell: int = 8  # decisions a bucket keeps its state before it may switch
+    # Speculate when its expected tokens/s beat a plain step's by `margin` (0.10: served step costs here move by
+    # +-15 % from minute to minute, and a wrong "on" costs up to 2x an off step where a wrong "off" gives up only the
+    # margin) and keep speculating until they fall below 1 + margin - hysteresis.
+    margin: float = 0.10
+    hysteresis: float = 0.05
+    dwell: int = 8  # decisions an off bucket stays off before it may switch on again ...
+    dwell_on: int = 2  # ... and an on bucket speculates before it may switch off (asymmetric: see `margin`)
     explore_every: int = 64  # every n-th decision of a bucket runs the other arm once, to keep its cost fresh
     cold_samples: int = 3  # steps of each arm a bucket times before the rule decides (spec first)
     max_batch: int | None = None  # operator cap: larger batches never speculate
@@ -421,7 +431,8 @@ class RuleConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; expected one of {MODES}")
-        if self.margin < 0 or self.hysteresis < 0 or self.dwell < 1 or self.explore_every < 0 or self.cold_samples < 0:
+        if (self.margin < 0 or self.hysteresis < 0 or min(self.dwell, self.dwell_on) < 1 or self.explore_every < 0
+                or self.cold_samples < 0):
             raise ValueError(f"bad rule settings {self}")
 
 
@@ -509,7 +520,7 @@ class FullCostRule:
         if rates is not None:
             ratio = max(rates[0]) / rates[1]
             want = ratio > 1 + cfg.margin - (cfg.hysteresis if st.on else 0.0)
-            if st.on is None or (want != st.on and st.since >= cfg.dwell):
+            if st.on is None or (want != st.on and st.since >= (cfg.dwell_on if st.on else cfg.dwell)):
                 st.turned_on += want and st.on is False
                 st.on, st.since = want, 0
         st.since += 1
