@@ -224,11 +224,11 @@ class ConfidencePlanner:
 #     spec(w) = B (1 + E[accepted | w]) / (T_draft(B) + T_after(B, w))      off = B / T_off(B)
 # (T_after = verify + accept + commit of a width-w step). Before drafting, from earlier steps only, the rule speculates
 # when max_w spec(w) beats off by `margin` (and keeps speculating down to margin - hysteresis; off holds for at least
-# `dwell` decisions of its bucket, on for `dwell_on`). E[accepted | w] is the running per-position acceptance of earlier steps. After
-# drafting, the width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with this step's
-# per-request survivals corrected by the running ratio realized / predicted per position (the confidence head's
-# calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision reads
-# columns <= d only: exact at every temperature by the argument of the module docstring.
+# `dwell` decisions of its bucket, on for `dwell_on`). E[accepted | w] is the running per-position acceptance of earlier
+# steps. After drafting, the width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with
+# this step's per-request survivals corrected by the running ratio realized / predicted per position (the confidence
+# head's calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision
+# reads columns <= d only: exact at every temperature by the argument of the module docstring.
 
 Mode = Literal["auto", "on", "off", "match"]
 MODES: tuple[str, ...] = ("auto", "on", "off", "match")  # match: never draft; off steps may verify matches
