@@ -69,6 +69,36 @@ def eval_variant(folder: Path, prompts: int, max_new_tokens: int, eval_dir: Path
     eval_draft(folder / "run" / "draft", folder / "eval.json", prompts, max_new_tokens, eval_dir, folder / "eval.log")
 
 
+def probe_variant(folder: Path) -> None:
+    """benchmarks/context_probe.py on the variant's run (its own data copy): per-slot agreement with and without
+    context, and where slot 0's attention goes (on a−1 or not)."""
+    link = folder / "run" / "data"
+    if not link.exists():
+        link.symlink_to(folder / "data")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "context_probe.py"), str(folder / "run"), "--threads", "2",
+           "--out", str(folder / "probe.json")]
+    with open(folder / "probe.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
+                       stderr=subprocess.STDOUT, check=True)
+
+
+def probe_summary(folder: Path) -> dict | None:
+    """Slot 0's agreement intact / without context and its attention mass on a−1 per layer, or None (no probe)."""
+    if not (folder / "probe.json").exists():
+        return None
+    p = json.loads((folder / "probe.json").read_text())
+    agree = p["per_slot_agreement"]
+    return {"slot0_agree": round(agree["intact"][0], 4), "slot0_agree_no_context": round(agree["no_context"][0], 4),
+            "slot0_attention_a-1": {layer: slots["slot 0"]["a-1"]
+                                    for layer, slots in (p["attention_by_distance"] or {}).items()}}
+
+
+def lever_of(name: str) -> str:
+    """Variants NAME, NAME_s43, ... are seeds of one lever."""
+    head, _, tail = name.rpartition("_s")
+    return head if head and tail.isdigit() else name
+
+
 def summarise(name: str, overrides: list[str], folder: Path) -> dict:
     rows = read_metrics(folder / "run" / "metrics.jsonl")
     tail = [rows[s] for s in sorted(rows)[-20:]]
@@ -78,6 +108,7 @@ def summarise(name: str, overrides: list[str], folder: Path) -> dict:
         "tau_prob_last20": round(sum(r["tau_prob"] for r in tail) / len(tail), 4),
         "acc0_last20": round(sum(r["acc_0"] for r in tail) / len(tail), 4),
         "s_per_step_last20": round(sum(r["step_s"] for r in tail) / len(tail), 3),
+        "probe": probe_summary(folder),
         "eval": {d["name"]: {"tau": round(d["tau"], 4), "per_position_accept": [round(a, 4) for a in
                                                                                d["per_position_accept"]]}
                  for d in ev.get("dspark", ev)["datasets"]},
@@ -92,6 +123,7 @@ def main(variant: Annotated[list[str], typer.Option(help="'NAME key=value ...' (
          max_new_tokens: Annotated[int, typer.Option(min=1)] = 96,
          eval_dir: Annotated[Path, typer.Option(help="The held-out sets (never trained on).")] = EVAL_DIR,
          note: Annotated[str, typer.Option(help="What else the reader must know (box shared, ...).")] = "",
+         probe: Annotated[bool, typer.Option(help="Run benchmarks/context_probe.py on each variant too.")] = False,
          out: Annotated[Path | None, typer.Option(help="Result JSON to write.")] = None) -> None:
     results = []
     for spec in variant:
@@ -102,6 +134,8 @@ def main(variant: Annotated[list[str], typer.Option(help="'NAME key=value ...' (
             if not (folder / "run" / "draft" / "model.safetensors").exists():
                 train_variant(folder, overrides, data_cache.resolve(), steps, eval_dir.resolve())
             eval_variant(folder, prompts, max_new_tokens, eval_dir.resolve())
+        if probe and not (folder / "probe.json").exists():
+            probe_variant(folder)
         results.append(summarise(name, overrides, folder))
     base = next((r for r in results if r["name"] == "base"), None)
     print("variant | overrides | τ_prob (last 20) | s/step | " + " | ".join(f"τ {s}" for s in SETS))
@@ -114,6 +148,17 @@ def main(variant: Annotated[list[str], typer.Option(help="'NAME key=value ...' (
             taus.append(f"{t:.3f}{d}")
         print(f"{r['name']} | {' '.join(r['overrides']) or '—'} | {r['tau_prob_last20']:.3f} | "
               f"{r['s_per_step_last20']:.2f} | " + " | ".join(taus))
+    levers = {}
+    for r in results:
+        levers.setdefault(lever_of(r["name"]), []).append(r)
+    if any(len(v) > 1 for v in levers.values()):  # seeds: the mean per lever, and its delta to base's mean
+        mean = {k: {s: sum(r["eval"][s]["tau"] for r in v) / len(v) for s in SETS} for k, v in levers.items()}
+        print("\nlever | seeds | " + " | ".join(f"mean τ {s}" for s in SETS))
+        print("---|---|" + "---|" * len(SETS))
+        for k, v in levers.items():
+            delta = {s: f" ({mean[k][s] - mean['base'][s]:+.3f})" if "base" in mean and k != "base" else ""
+                     for s in SETS}
+            print(f"{k} | {len(v)} | " + " | ".join(f"{mean[k][s]:.3f}{delta[s]}" for s in SETS))
     if out is not None:
         record = {"provenance": provenance(recipe=str(RECIPE.relative_to(ROOT)), steps=steps, prompts=prompts,
                                           max_new_tokens=max_new_tokens, data_cache=str(data_cache), sets=SETS),
