@@ -52,10 +52,10 @@ class ObjectiveConfig:
     teacher_topk: int = 0
     # What CE is measured against: "labels", the sample's next token (a human token on prefilled chat), or
     # "teacher", the target's own most likely next token (what a T=0 verify accepts; on regenerated samples the
-    # two agree). Issue 40's lever 2: benchmarks/results/ablation_ce_target_xeon.json.
+    # two agree). Issue 40's lever 2: benchmarks/results/ablation_levers_xeon.json.
     ce_target: str = "labels"
     # Detach the backbone from the confidence BCE: the confidence head still learns, the shared trunk is trained by
-    # CE and L1 alone (issue 40's lever 4).
+    # CE and L1 alone (issue 40's lever 4, same result file).
     confidence_detach: bool = False
 
     def __post_init__(self) -> None:
