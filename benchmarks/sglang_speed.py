@@ -135,6 +135,8 @@ def builtin_draft(draft: Path, out_dir: Path) -> tuple[Path | None, str]:
     config = DSparkConfig.from_pretrained(draft)
     if config.is_mla:
         return None, "no builtin row: an MLA draft is vLLM's layout, which SGLang's builtin DSPARK does not load"
+    if config.anchor_state:
+        return None, "no builtin row: the builtin has no anchor_proj (the draft's anchor_state path)"
     if not config.reduced_vocab:
         return draft, "same draft"
     if config.markov_head_type != "vanilla":

@@ -79,6 +79,11 @@ class DSparkConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     own_embed_tokens: bool = False  # the draft trains its own embed_tokens (saved) instead of borrowing the target's
+    # Every block row also reads the context vector of the token before its anchor (ctx[a-1], through the zero-
+    # initialised `anchor_proj`): EAGLE's feature-plus-token row, issue 40's lever 1. Ours only (our SGLang worker and
+    # reference engine): the stock readers (SGLang's builtin, SpecForge, vLLM, llama.cpp) have no such tensor; our
+    # GGUF export refuses it and the builtin gets no row in benchmarks/sglang_speed.py.
+    anchor_state: bool = False
     # Reduced draft vocabulary (K hot target tokens, mapped by the checkpoint's `d2t`); None or = vocab_size: full.
     draft_vocab_size: int | None = None
     # The config.json this was read from: the MLA layout writes its keys back unchanged (peers' extra keys kept).
@@ -130,6 +135,8 @@ class DSparkConfig:
         if self.block_size < 1:
             raise ConfigError(f"block_size (γ) must be >= 1, got {self.block_size}")
         self._validate_mla()
+        if self.anchor_state and self.is_mla:
+            raise ConfigError("anchor_state is not supported for an MLA draft (vLLM's K3 layout has no anchor_proj)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -233,6 +240,8 @@ class DSparkConfig:
             own.pop(k)
         if not self.own_embed_tokens:
             own.pop("own_embed_tokens")
+        if not self.anchor_state:  # a stock draft's config.json stays byte for byte what peers read
+            own.pop("anchor_state")
         dspark = {k: own[k] for k in DSPARK_KEYS}
         out: dict[str, Any] = {
             "architectures": ["DSparkDraftModel"],

@@ -195,3 +195,6 @@ def test_refusals_for_llama_cpp(tmp_path):
     with pytest.raises(ExportError, match="only the vanilla Markov head"):
         export_gguf(tmp_path / "g", tmp_path / "g.gguf", target_gguf=target)
     export_gguf(tmp_path / "g", tmp_path / "g.gguf", arch="dspark", target_gguf=target)  # forks run it
+    DSparkDraft(tiny(anchor_state=True)).save_pretrained(tmp_path / "a")  # anchor_proj: no llama.cpp tensor
+    with pytest.raises(ExportError, match="no anchor_proj"):
+        export_gguf(tmp_path / "a", tmp_path / "a.gguf", arch="dspark", target_gguf=target)

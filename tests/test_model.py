@@ -53,10 +53,12 @@ def test_block_mask_rule():
     assert m[:3, 6:9].all() and not m[:3, 9:].any() and m[3:, 9:].all() and not m[3:, 6:9].any()
 
 
+@pytest.mark.parametrize("anchor_state", [False, True])
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
-def test_training_forward_equals_inference_forward(kind):
-    """All anchor blocks in one forward == one block per request against a growing context cache."""
-    d = make_draft(markov_head_type=kind)
+def test_training_forward_equals_inference_forward(kind, anchor_state):
+    """All anchor blocks in one forward == one block per request against a growing context cache (with
+    `anchor_state`, the cache's last context vector is the training forward's ctx[a-1]; an anchor at 0 reads zeros)."""
+    d = make_draft(markov_head_type=kind, anchor_state=anchor_state)
     S, g = 12, d.config.block_size
     ids = torch.randint(0, V - 1, (2, S))
     aux = torch.randn(2, S, 2 * H)
@@ -183,3 +185,29 @@ def test_markov_head_init_learns_a_bigram_quickly():
     uniform = math.log(64)
     assert fit(None) < 0.45 * uniform
     assert fit(0.02) > 0.55 * uniform  # the old init: the first assertion fails with it
+
+
+def test_anchor_state_is_opt_in_learnt_from_zero_and_round_trips(tmp_path):
+    """`anchor_state` adds one tensor (anchor_proj), zero at init (the draft starts as the one without it), moves the
+    output once trained, is written to config.json only when on, survives save/load, and refuses the MLA layout."""
+    plain, with_state = config(), config(anchor_state=True)
+    assert "anchor_state" not in plain.to_dict() and with_state.to_dict()["anchor_state"] is True
+    assert DSparkConfig.from_dict(with_state.to_dict()).anchor_state
+    a, b = DSparkDraft(plain), DSparkDraft(with_state)
+    assert set(b.state_dict()) == set(a.state_dict()) | {"anchor_proj.weight"}
+    assert b.anchor_proj.weight.abs().max() == 0
+    assert b.load_state_dict(a.state_dict(), strict=False).missing_keys == ["anchor_proj.weight"]
+    embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    a.bind_target(embed, head), b.bind_target(embed, head)
+    ids, aux, anchors = torch.randint(0, V - 1, (2, 10)), torch.randn(2, 10, 2 * H), torch.tensor([[1, 4], [3, 6]])
+    torch.testing.assert_close(b.forward_train(ids, aux, anchors), a.forward_train(ids, aux, anchors))
+    with torch.no_grad():
+        b.anchor_proj.weight.normal_(0, 0.3)
+    assert not torch.allclose(b.forward_train(ids, aux, anchors), a.forward_train(ids, aux, anchors))
+    b.save_pretrained(tmp_path / "d")
+    back = load_draft(tmp_path / "d").bind_target(embed, head)
+    assert back.config.anchor_state
+    torch.testing.assert_close(back.forward_train(ids, aux, anchors), b.forward_train(ids, aux, anchors))
+    with pytest.raises(ValueError, match="anchor_state is not supported for an MLA draft"):
+        config(anchor_state=True, attention_type="mla", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8,
+               qk_rope_head_dim=8, v_head_dim=8)

@@ -138,11 +138,16 @@ def test_sglang_resolution_refuses_pp_and_dp_attention(tmp_path):
 
 
 # ---- the slot-indexed draft context ------------------------------------------------------------------------------
-def test_pool_context_matches_the_reference_cache():
-    """Scattered slots + gather must give the draft exactly the context DraftContextCache gives it."""
+@pytest.mark.parametrize("anchor_state", [False, True])
+def test_pool_context_matches_the_reference_cache(anchor_state):
+    """Scattered slots + gather must give the draft exactly the context DraftContextCache gives it (with
+    `anchor_state`, also the context vector of each request's last committed token)."""
     torch.manual_seed(0)
-    c = tiny_config()
+    c = tiny_config(anchor_state=anchor_state)
     draft = DSparkDraft(c).eval()
+    if anchor_state:
+        with torch.no_grad():
+            draft.anchor_proj.weight.normal_(0, 0.3)  # zero at init: make the path count
     draft.bind_target(torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size))
     lengths = torch.tensor([5, 9])
     aux = torch.randn(2, 9, c.num_aux * c.hidden_size)

@@ -4,6 +4,7 @@ A DSpark draft is a small Qwen3-style decoder that predicts γ tokens in one non
 
     context c   = RMSNorm_hidden(fc(concat(target aux hidden states)))     one vector per committed token
     block input = target_embed([anchor, MASK, ..., MASK])                   γ rows at positions a .. a+γ-1
+                  (+ anchor_proj(c[a-1]) on every row, opt-in `anchor_state`)
     each layer  : queries from the block; keys/values = [K/V(c) of tokens < a ; K/V(block)]
     h           = final RMSNorm; base logits = target_lm_head(h)
     Markov head : bias_t = W2 · latent(prev_t, h_t, state) added to base logits, prev_0 = anchor (sequential)
@@ -320,6 +321,7 @@ class DSparkDraft(nn.Module):
         self.markov_head = MarkovHead(c)
         self.confidence_head = ConfidenceHead(c) if c.enable_confidence_head else None
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if c.own_embed_tokens else None
+        self.anchor_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False) if c.anchor_state else None
         # fp32 always; a plain attribute so .to(bf16) cannot round it
         self._inv_freq = mla_rope(c)[0] if c.is_mla else rope_inv_freq(c)
         self._target: TargetHeads | None = None
@@ -415,6 +417,8 @@ class DSparkDraft(nn.Module):
         # factor's gradient is scaled by the other) and stays near zero for hundreds of steps. W1 is an embedding
         # table and starts at unit scale like one, so W2 learns from the first step while the bias starts small.
         nn.init.normal_(self.markov_head.markov_w1.weight, std=1.0)
+        if self.anchor_proj is not None:  # starts as the draft without it: the path is learnt, never a shock
+            nn.init.zeros_(self.anchor_proj.weight)
 
     # ---- the one forward ---------------------------------------------------------------------------------
     def project_context(self, aux_hidden: Tensor) -> Tensor:
@@ -457,6 +461,16 @@ class DSparkDraft(nn.Module):
         pos = anchor_pos[..., None] + torch.arange(g, device=anchor_pos.device)
         return ids.flatten(1), pos.flatten(1)
 
+    def block_rows(self, ids: Tensor, prev_ctx: Tensor | None) -> Tensor:
+        """The block rows [B, N·γ, H]: token embeddings of ids [B, N·γ], plus, with `anchor_state`, anchor_proj of
+        the context vector before each block's anchor (prev_ctx [B, N, H]) on every row of that block."""
+        x = self.embed(ids)
+        if self.anchor_proj is None:
+            return x
+        B, N, g = x.shape[0], prev_ctx.shape[1], self.config.block_size
+        add = self.anchor_proj(prev_ctx.to(self.anchor_proj.weight.dtype)).to(x.dtype)
+        return (x.view(B, N, g, -1) + add[:, :, None]).view_as(x)
+
     def forward_train(self, input_ids: Tensor, aux_hidden: Tensor, anchors: Tensor) -> Tensor:
         """All anchor blocks of each sequence in one forward.
 
@@ -468,14 +482,19 @@ class DSparkDraft(nn.Module):
         ctx = self.project_context(aux_hidden)
         ids, pos = self.block_inputs(input_ids.gather(1, anchors), anchors)
         mask = block_attention_mask(anchors, S, self.config.block_size)
-        h = self.forward_blocks(self.embed(ids), pos, mask, ctx=ctx, ctx_pos=ctx_pos)
+        prev = None
+        if self.anchor_proj is not None:  # ctx[a-1]; an anchor at 0 has no token before it: zeros
+            before = (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1])
+            prev = ctx.gather(1, before) * (anchors > 0)[..., None].to(ctx.dtype)
+        h = self.forward_blocks(self.block_rows(ids, prev), pos, mask, ctx=ctx, ctx_pos=ctx_pos)
         return h.view(B, anchors.shape[1], self.config.block_size, -1)
 
     def forward_step(self, anchor_ids: Tensor, cache: DraftContextCache) -> Tensor:
         """One block per request at inference: anchors [B] at positions cache.lengths -> h [B, γ, H]."""
         ids, pos = self.block_inputs(anchor_ids[:, None], cache.lengths[:, None])
         mask = block_attention_mask(cache.lengths[:, None], cache.capacity, self.config.block_size)
-        return self.forward_blocks(self.embed(ids), pos, mask, ctx_kv=cache.kv())
+        prev = None if self.anchor_proj is None else cache.last[:, None]
+        return self.forward_blocks(self.block_rows(ids, prev), pos, mask, ctx_kv=cache.kv())
 
 
 class DraftContextCache:
@@ -488,6 +507,8 @@ class DraftContextCache:
         (nk, dk), (nv, dv) = draft.context_kv_dims()
         self.k = [torch.zeros(batch_size, nk, 0, dk, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(batch_size, nv, 0, dv, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        # anchor_state: the context vector of each request's last committed token (zeros before the first)
+        self.last = torch.zeros(batch_size, c.hidden_size, device=device, dtype=dtype) if c.anchor_state else None
 
     @property
     def capacity(self) -> int:
@@ -500,6 +521,8 @@ class DraftContextCache:
         """Keep only these requests (rows of the batch)."""
         self.k, self.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
         self.lengths = self.lengths[rows]
+        if self.last is not None:
+            self.last = self.last[rows]
 
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -515,13 +538,16 @@ class DraftContextCache:
         B, n, _ = aux_hidden.shape
         start = torch.zeros_like(counts) if start is None else start
         pos = self.lengths[:, None] - start[:, None] + torch.arange(n, device=aux_hidden.device)
-        new_kv = self.draft.context_kv(self.draft.project_context(aux_hidden), pos.clamp(min=0))
+        ctx = self.draft.project_context(aux_hidden)
+        new_kv = self.draft.context_kv(ctx, pos.clamp(min=0))
         self._grow(int((self.lengths + counts).max()))
         for b in range(B):
             s, a, m = int(self.lengths[b]), int(start[b]), int(counts[b])
             for (k, v), ck, cv in zip(new_kv, self.k, self.v, strict=True):
                 ck[b, :, s : s + m] = k[b, :, a : a + m]
                 cv[b, :, s : s + m] = v[b, :, a : a + m]
+            if self.last is not None and m > 0:
+                self.last[b] = ctx[b, a + m - 1].to(self.last.dtype)
         self.lengths += counts.to(self.lengths.device)
 
 

@@ -28,6 +28,7 @@ class GatheredContext:
     k: list[Tensor]  # per layer [B, kv_heads, S, d] (MLA: [B, 1, S, kv_lora_rank] latent, v = [B, 1, S, rope])
     v: list[Tensor]
     stale: Tensor | None = None  # [B] bool: some context was written by an earlier draft epoch
+    last: Tensor | None = None  # [B, H] anchor_state: the context vector of each request's last committed token
 
     @property
     def capacity(self) -> int:
@@ -48,6 +49,8 @@ class DraftContextPool:
         self.v = torch.zeros(c.num_hidden_layers, num_slots, nv, dv, device=device, dtype=dtype)
         self.epoch = 0
         self.slot_epoch = torch.zeros(num_slots, device=device, dtype=torch.int32)
+        # anchor_state: each slot's projected context vector too (the block rows read the one before the anchor)
+        self.ctx = torch.zeros(num_slots, c.hidden_size, device=device, dtype=dtype) if c.anchor_state else None
 
     def new_epoch(self, draft: DSparkDraft) -> None:
         """A new draft serves from now on: everything written so far is stale context."""
@@ -73,6 +76,8 @@ class DraftContextPool:
             self.k[layer, slots] = k[0].transpose(0, 1).to(self.k.dtype)  # [N, kv_heads, d]
             self.v[layer, slots] = v[0].transpose(0, 1).to(self.v.dtype)
         self.slot_epoch[slots] = self.epoch
+        if self.ctx is not None:
+            self.ctx[slots] = ctx[0].to(self.ctx.dtype)
 
     def gather(self, req_to_token: Tensor, req_pool_indices: Tensor, lengths: Tensor,
                width: int | None = None) -> GatheredContext:
@@ -87,4 +92,8 @@ class DraftContextPool:
         if self.epoch:
             written = torch.arange(width, device=slots.device)[None] < lengths.long()[:, None]
             stale = ((self.slot_epoch[slots] != self.epoch) & written).any(1)
-        return GatheredContext(lengths.long(), k, v, stale)
+        last = None
+        if self.ctx is not None:  # the slot of token lengths-1 (none before the first: zeros)
+            before = (lengths.long() - 1).clamp(min=0)[:, None].clamp(max=width - 1)
+            last = self.ctx[slots.gather(1, before)[:, 0]] * (lengths > 0)[:, None].to(self.ctx.dtype)
+        return GatheredContext(lengths.long(), k, v, stale, last)

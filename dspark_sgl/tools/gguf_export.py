@@ -305,6 +305,9 @@ def export_gguf(
             "with llama-quantize (GGUF has its own formats)"
         )
     config = DSparkConfig.from_dict(raw)
+    if config.anchor_state:
+        raise ExportError(f"{folder}: llama.cpp's DFlash/DSpark graph has no anchor_proj (anchor_state); serve this "
+                          "draft with dspark-sgl, or train without draft.anchor_state")
     if config.reduced_vocab and target_gguf is None:
         raise ExportError(
             f"a reduced-vocabulary draft (draft_vocab_size={config.draft_vocab_size}) needs the target GGUF "
