@@ -36,6 +36,11 @@ The sites (docs/testing.md has the table of which test catches which):
                       verdict (sglang/ranks.py RankSync.agree)
     cost_no_draft   - the full-cost rule prices a speculative step without the draft's cost, so it speculates where
                       that cannot pay (speculative/scheduler.py CostTable.spec_seconds, shared)
+    anchor_last     - with anchor_state, the reference context cache keeps the context vector of the token before
+                      the last committed one, so inference reads ctx[a-2] where training read ctx[a-1]
+                      (model/draft.py DraftContextCache.append)
+    accept_per_step - the full-cost rule's acceptance counts forget per step, not per row: a batch of 16 keeps the
+                      previous traffic's rate 16x longer (scheduler.AcceptStats.record, shared)
     decide_peek     - the full-cost rule turns speculation off after drafting when this step's own survivals say it
                       does not pay: whether x_1 is verified then depends on x_1 (scheduler.FullCostRule.widths, shared)
     grammar_mask    - the worker leaves the target's verify logits unmasked by the requests' grammars
@@ -65,6 +70,7 @@ PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
     "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats", "grammar_mask",
+    "anchor_last", "accept_per_step",
 })
 
 

@@ -27,8 +27,14 @@ from dspark_sgl.targets.hf import TargetKV
 from tests.conftest import draft_config_for, tiny_llama, tiny_with_random_draft
 from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
-from tests.test_fullcost_rule import alternating, check_decided_before_drafting, check_off_where_the_draft_cannot_pay
+from tests.test_fullcost_rule import (
+    alternating,
+    check_acceptance_memory_in_rows,
+    check_decided_before_drafting,
+    check_off_where_the_draft_cannot_pay,
+)
 from tests.test_match import check_match_steps_skip_the_draft, hybrid_pvalue
+from tests.test_model import check_anchor_state_train_equals_step
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
 pytestmark = pytest.mark.planted
@@ -199,6 +205,8 @@ ENGINE_CHECKS = {
     "cost_no_draft": check_off_where_the_draft_cannot_pay,
     "decide_peek": check_decided_before_drafting,
     "match_step_stats": check_match_steps_skip_the_draft,
+    "anchor_last": check_anchor_state_train_equals_step,
+    "accept_per_step": check_acceptance_memory_in_rows,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

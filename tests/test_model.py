@@ -53,6 +53,28 @@ def test_block_mask_rule():
     assert m[:3, 6:9].all() and not m[:3, 9:].any() and m[3:, 9:].all() and not m[3:, 6:9].any()
 
 
+def check_anchor_state_train_equals_step() -> tuple[bool, str]:
+    """With anchor_state, one block per request against a context cache grown in ragged appends == the training
+    forward (which reads ctx[a-1] directly): the cache must keep the last committed token's context vector."""
+    d = make_draft(anchor_state=True)
+    ids, aux, anchors = torch.randint(0, V - 1, (2, 12)), torch.randn(2, 12, 2 * H), torch.tensor([[5, 9], [6, 10]])
+    h_train = d.forward_train(ids, aux, anchors)
+    worst = 0.0
+    for n in range(2):
+        cache = DraftContextCache(d, 2, "cpu", torch.float32)
+        a = anchors[:, n]
+        cache.append(aux, a - 3)
+        cache.append(aux, torch.full_like(a, 3), start=a - 3)
+        h = d.forward_step(ids.gather(1, a[:, None]).squeeze(1), cache)
+        worst = max(worst, float((h - h_train[:, n]).abs().max()))
+    return worst < 1e-5, f"max |step - train| = {worst:.2e}"
+
+
+def test_anchor_state_cache_keeps_the_last_context_vector():
+    ok, detail = check_anchor_state_train_equals_step()
+    assert ok, detail
+
+
 @pytest.mark.parametrize("anchor_state", [False, True])
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_training_forward_equals_inference_forward(kind, anchor_state):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_sgl.config import DSparkConfig
+from dspark_sgl.faults import planted
 
 
 class RMSNorm(nn.Module):
@@ -547,7 +548,8 @@ class DraftContextCache:
                 ck[b, :, s : s + m] = k[b, :, a : a + m]
                 cv[b, :, s : s + m] = v[b, :, a : a + m]
             if self.last is not None and m > 0:
-                self.last[b] = ctx[b, a + m - 1].to(self.last.dtype)
+                at = a + m - 2 if planted("anchor_last") and m > 1 else a + m - 1
+                self.last[b] = ctx[b, at].to(self.last.dtype)
         self.lengths += counts.to(self.lengths.device)
 
 

@@ -387,7 +387,7 @@ class AcceptStats:
         c = accepted.detach().to("cpu", torch.float64)[:, None]
         j = torch.arange(1, self.gamma + 1, dtype=torch.float64)[None]
         verified = (j <= width - 1).to(torch.float64)
-        keep = (1.0 - 1.0 / self.memory_rows) ** c.shape[0]
+        keep = (1.0 - 1.0 / self.memory_rows) ** (1 if planted("accept_per_step") else c.shape[0])
         for name in ("tested", "passed", "predicted", "reached"):
             getattr(self, name).mul_(keep)
         self.tested += ((c >= j - 1) * verified).sum(0)
