@@ -56,7 +56,7 @@ def test_no_plant_is_active_by_default_and_plant_switches_one_on():
 
 
 def test_an_unknown_name_is_one_clear_error():
-    with pytest.raises(ValueError, match="'nope' is not a known planted bug; known: context_keep"):
+    with pytest.raises(ValueError, match="'nope' is not a known planted bug; known: accept_per_step, .*context_keep"):
         with plant("nope"):
             pass
     env = dict(os.environ, **{ENV: "nope"})
