@@ -94,6 +94,6 @@ class DraftContextPool:
             stale = ((self.slot_epoch[slots] != self.epoch) & written).any(1)
         last = None
         if self.ctx is not None:  # the slot of token lengths-1 (none before the first: zeros)
-            before = (lengths.long() - 1).clamp(min=0)[:, None].clamp(max=width - 1)
+            before = (lengths.long() - 1).clamp(0, width - 1)[:, None]
             last = self.ctx[slots.gather(1, before)[:, 0]] * (lengths > 0)[:, None].to(self.ctx.dtype)
         return GatheredContext(lengths.long(), k, v, stale, last)

@@ -448,9 +448,12 @@ class _BucketState:
     on: bool | None = None  # None until the rule first prices both arms: then it takes the rule's choice at once
     since: int = 0  # decisions since the last switch
     decisions: int = 0
-    speculated: int = 0
     why: Counter = field(default_factory=Counter)  # speculative steps by reason ("rule", "cold", "explore", ...)
     turned_on: int = 0  # times the rule switched the bucket from off to on
+
+    @property
+    def speculated(self) -> int:
+        return sum(self.why.values())
 
 
 @dataclass
@@ -498,7 +501,6 @@ class FullCostRule:
         st = self._state.setdefault(batch_bucket(batch_size), _BucketState())
         st.decisions += 1
         decision = self._decide(batch_size, st)
-        st.speculated += decision.speculate
         if decision.speculate:
             st.why[decision.why] += 1
         return decision
