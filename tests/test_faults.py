@@ -33,7 +33,12 @@ from tests.test_fullcost_rule import (
     check_decided_before_drafting,
     check_off_where_the_draft_cannot_pay,
 )
-from tests.test_match import check_match_steps_skip_the_draft, hybrid_pvalue
+from tests.test_match import (
+    check_match_rows_stay_out_of_the_draft_statistics,
+    check_match_steps_skip_the_draft,
+    check_the_rule_weighs_the_matches,
+    hybrid_pvalue,
+)
 from tests.test_model import check_anchor_state_train_equals_step
 from tests.test_sampling import chi2_pvalue, exact_three_token_distribution
 
@@ -207,6 +212,8 @@ ENGINE_CHECKS = {
     "match_step_stats": check_match_steps_skip_the_draft,
     "anchor_last": check_anchor_state_train_equals_step,
     "accept_per_step": check_acceptance_memory_in_rows,
+    "match_rows_stats": check_match_rows_stay_out_of_the_draft_statistics,
+    "match_blind_decide": check_the_rule_weighs_the_matches,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

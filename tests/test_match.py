@@ -188,6 +188,56 @@ def test_match_steps_verify_the_matches_without_a_draft_pass():
     assert ok, detail
 
 
+def check_the_rule_weighs_the_matches() -> tuple[bool, str]:
+    """Before drafting, the full-cost rule reads the rows' match survival (a function of the committed text): on a
+    table where drafting beats a plain step by 25 % (pass rate 0.5, batch 4), it still drafts when one row of four
+    has a strong match (the draft adds to the other three), but not when every row has one: a match step (no draft
+    pass) then commits as much for less, and `match_width` takes it."""
+    from tests.test_fullcost_rule import AFTER, GAMMA, rule_with, table
+
+    def fresh():
+        return rule_with(table(GAMMA, 0.010, 0.002, AFTER, 4), 0.5)
+
+    strong = 0.9 ** torch.arange(1, GAMMA + 1, dtype=torch.float64)
+    every = strong.expand(4, GAMMA)
+    one = torch.cat([strong[None], torch.zeros(3, GAMMA, dtype=torch.float64)])
+    alone, with_one, with_every = (fresh().decide(4, m).speculate for m in (None, one, every))
+    width = fresh().match_width(4, every)
+    ok = alone and with_one and not with_every and width == GAMMA + 1
+    return ok, f"drafts: no match {alone}, one row matched {with_one}, every row matched {with_every}; " \
+               f"match step width {width}"
+
+
+def test_the_rule_drafts_only_where_the_draft_adds_to_the_matches():
+    ok, detail = check_the_rule_weighs_the_matches()
+    assert ok, detail
+
+
+def check_match_rows_stay_out_of_the_draft_statistics() -> tuple[bool, str]:
+    """A drafted step's rows that verified a match (the hybrid's choice) say nothing about the draft: after 20 steps
+    where the two match rows accepted all 7 tokens and the two draft rows none, the draft's first-position pass rate
+    (the serving planner's record, which the worker calls) is below 0.1."""
+    from dspark_sgl.sglang.planning import VerifyPlanner
+    from dspark_sgl.speculative.scheduler import Decision
+    from tests.conftest import tiny_draft_config
+    from tests.test_sglang_planning import spec_args
+
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=7)))
+    lengths = torch.full((4,), 8)
+    from_match = torch.tensor([True, True, False, False])
+    for _ in range(20):
+        planner.record(lengths, 8, torch.tensor([7, 7, 0, 0]), Decision(True, "rule", 2.0), None,
+                       torch.full((4, 7), 0.5), from_match)
+    stats = planner.rule.accept[4]
+    rate = float(stats.passed[0] / stats.tested[0])
+    return rate < 0.1, f"draft pass rate at position 1: {rate:.3f} over {float(stats.tested[0]):.1f} rows"
+
+
+def test_match_rows_stay_out_of_the_draft_statistics():
+    ok, detail = check_match_rows_stay_out_of_the_draft_statistics()
+    assert ok, detail
+
+
 def test_match_width_prices_the_matches_against_a_plain_step():
     """A match step's width from the match survival: wider while the expected tokens pay for the extra columns, 1
     where nothing matched or the operator said off / capped the batch."""
@@ -211,12 +261,14 @@ def test_match_width_prices_the_matches_against_a_plain_step():
 
 
 def full_cost_planner(gamma: int, batch_size: int):
-    """issue 41's full-cost rule on a table where speculation pays and a wider verify costs more: the width rule
-    trims by the chosen proposals' survival."""
+    """issue 41's full-cost rule on a table where a wider verify costs more: the width rule trims by the chosen
+    proposals' survival. Mode "on": every step drafts (with the random draft the rule itself would verify the
+    matches alone, `test_the_rule_drafts_only_where_the_draft_adds_to_the_matches`), so both kinds of row are seen."""
     from dspark_sgl.speculative.scheduler import AdaptivePlanner
     from tests.test_fullcost_rule import rule_with, table
 
-    return AdaptivePlanner(rule_with(table(gamma, 0.05, 0.001, [0.010, 0.012, 0.02, 0.05], batch_size), 0.5))
+    return AdaptivePlanner(rule_with(table(gamma, 0.05, 0.001, [0.010, 0.012, 0.02, 0.05], batch_size), 0.5,
+                                     mode="on"))
 
 
 def hybrid_pvalue(n: int = 2000, seed: int = 7, acceptance: str = "rejection", top_p: float = 1.0,

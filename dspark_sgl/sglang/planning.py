@@ -46,6 +46,7 @@ from dspark_sgl.speculative.scheduler import (
     FullCostRule,
     RuleConfig,
     batch_bucket,
+    draft_rows,
     schedule,
 )
 from dspark_sgl.speculative.sps import SpsTable
@@ -241,12 +242,13 @@ class VerifyPlanner:
         logger.info("dspark-sgl: speculation %s", "by the full-cost rule" if self.forced_width is None else
                     f"forced: verify width <= {self.forced_width}" + (" (off)" if self.forced_width == 1 else ""))
 
-    def decide(self, batch_size: int) -> Decision:
-        """Before drafting: speculate this step? The operator's switch, else the full-cost rule. A logprob request
-        changes nothing: its logprobs are read from the columns this step verifies, whatever their width."""
+    def decide(self, batch_size: int, match: Tensor | None = None) -> Decision:
+        """Before drafting: speculate this step? The operator's switch, else the full-cost rule (`match`: the survival
+        of the rows' matches, the hybrid). A logprob request changes nothing: its logprobs are read from the columns
+        this step verifies, whatever their width."""
         if self.forced_width is not None:
             return Decision(self.forced_width > 1, "forced")
-        return self.rule.decide(batch_size)
+        return self.rule.decide(batch_size, match)
 
     def match_allowed(self, decision: Decision) -> bool:
         """May an off step verify the hybrid's matches instead (FullCostRule.match_width prices it)? Not when the
@@ -288,8 +290,10 @@ class VerifyPlanner:
             rec.widths[width] = rec.widths.get(width, 0) + 1
 
     def record(self, lengths: Tensor, width: int, accepted: Tensor, decision: Decision,
-               conf_logits: Tensor | None = None, conf: Tensor | None = None) -> None:
-        """A speculative step's outcome: totals, the bucket's predicted vs realized, the rule's acceptance."""
+               conf_logits: Tensor | None = None, conf: Tensor | None = None, from_match: Tensor | None = None
+               ) -> None:
+        """A speculative step's outcome: totals, the bucket's predicted vs realized, the rule's acceptance (of the
+        rows that verified the draft's block: `from_match` [B] marks the hybrid's rows that verified a match)."""
         bs = lengths.numel()
         self.steps += 1
         self.requests += bs
@@ -304,7 +308,7 @@ class VerifyPlanner:
             return  # a match step's acceptance is the matcher's (per request and match length), never the draft's
         if conf is None and conf_logits is not None:
             conf = self.survival_factors(conf_logits)
-        self.rule.observe_accept(bs, width, accepted, conf)
+        self.rule.observe_accept(bs, width, accepted, conf, draft_rows(from_match))
 
     def observe_timing(self, meta: dict, seconds: dict[str, float]) -> None:
         """StepTimes' callback: one finished step's phases feed the cost table (a speculative step: draft phases and

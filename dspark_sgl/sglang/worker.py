@@ -51,7 +51,7 @@ from dspark_sgl.sglang.sampling import BatchSamplingCache, SlotTokens
 from dspark_sgl.sglang.steptime import StepTimes
 from dspark_sgl.sglang.traffic import TrafficRecorder
 from dspark_sgl.sglang.weights import DraftRunner, DraftUpdater, Release
-from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState
+from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState, MatchStep
 from dspark_sgl.speculative.rows import accept_rows, plain_tokens, propose, step_noise
 from dspark_sgl.speculative.scheduler import Decision
 from dspark_sgl.speculative.target_dist import adjust_logits
@@ -261,14 +261,14 @@ class DSparkWorker(BaseSpecWorker):
         for b, r in enumerate(reqs):
             self._match_tails[r.rid] = ids[b * stride : b * stride + acc[b]]
 
-    def _choose(self, reqs, lens_cpu, prop, rows):
+    def _choose(self, states, cand, prop, rows):
         """The hybrid's choice for this step, or (prop, None) when it is off for every row."""
-        states = None if lens_cpu is None else self._match_states(reqs, lens_cpu)
         if states is None:
-            return prop, None, None
+            return prop, None
         conf = None if prop.conf_logits is None else self.planner.calibrated(prop.conf_logits)
-        choice = self.matcher.choose(states, prop, conf, rows.greedy.cpu(), self.model_runner.model_config.vocab_size)
-        return choice.proposal, choice, states
+        choice = self.matcher.choose(states, prop, conf, rows.greedy.cpu(), self.model_runner.model_config.vocab_size,
+                                     cand)
+        return choice.proposal, choice
 
     def _match_record(self, reqs, choice, width: int) -> None:
         """Remember each row's source for the next step, which reads its accepted count from the host text."""
@@ -380,12 +380,14 @@ class DSparkWorker(BaseSpecWorker):
         lens_cpu = batch.seq_lens_cpu  # host-side: widths and budgets come from here, never from device tensors
         longest = int(lens_cpu.max()) if lens_cpu is not None else None
 
-        decision = self._decide(batch, bs)  # earlier steps' data only: lossless whatever it says
-        match = None if decision.speculate else self._match_step(batch, bs, decision)
+        states = None if lens_cpu is None else self._match_states(batch.reqs, lens_cpu)  # the hybrid's, or None
+        cand = None if states is None else self.matcher.match_only(states, self.gamma, self.device)
+        decision = self._decide(batch, bs, cand)  # earlier steps' data and the committed text: lossless
+        match = None if decision.speculate else self._match_step(bs, decision, cand)
         self.times.mark("decide")
         choice = None
         if decision.speculate:
-            prop, lengths, w, choice = self._draft(batch, anchor, rows, noise, seq_lens, longest)
+            prop, lengths, w, choice = self._draft(batch, anchor, rows, noise, seq_lens, longest, states, cand)
             drafts = prop.tokens
         elif match is not None:  # a match step: the rows' matches alone, no draft pass (a row without one: its anchor)
             choice, w, decision = match
@@ -418,32 +420,30 @@ class DSparkWorker(BaseSpecWorker):
                 self._match_record(batch.reqs, choice, w)
             acc = accept_rows(prop, logits, rows, limit, noise, rule)
             c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
-            self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf)
+            self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf,
+                                None if choice is None else choice.use_match)
         self.planner.record_step(bs, decision, w)
         self.times.mark("accept")
         return self._commit(batch, on_publish, logits_output, can_run_graph, window, verify_ids, drafts, lengths, w,
                             c, bonus, seq_lens)
 
-    def _decide(self, batch, bs: int):
-        """Speculate this step? The full-cost rule from earlier steps (or the operator's switch); under TP rank 0's
-        answer on every rank (each rank's step timings differ, so each would decide otherwise)."""
-        decision = self.planner.decide(bs)
+    def _decide(self, batch, bs: int, cand: MatchStep | None = None):
+        """Speculate this step? The full-cost rule from earlier steps and, with the hybrid, the rows' matches (or the
+        operator's switch); under TP rank 0's answer on every rank (each rank's step timings differ, so each would
+        decide otherwise)."""
+        decision = self.planner.decide(bs, None if cand is None else cand.survival)
         if self.ranks.active:
             flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
             decision.speculate = bool(self.ranks.share(flag)[0])
         return decision
 
-    def _match_step(self, batch, bs: int, decision: Decision) -> tuple[Choice, int, Decision] | None:
+    def _match_step(self, bs: int, decision: Decision, cand: MatchStep | None) -> tuple[Choice, int, Decision] | None:
         """Where the rule said off: (the rows' matches from their own text, the width, the step's Decision) when a
         step that verifies them alone, with no draft pass, pays by the full-cost rule (FullCostRule.match_width);
         None for an off step (or when no request asked for the hybrid). Under TP rank 0's width (each rank prices
         with its own timings; the matches are the same text's on every rank)."""
-        if batch.seq_lens_cpu is None or not self.planner.match_allowed(decision):
+        if cand is None or not self.planner.match_allowed(decision):
             return None
-        states = self._match_states(batch.reqs, batch.seq_lens_cpu)
-        if states is None:
-            return None
-        cand = self.matcher.match_only(states, self.gamma, self.device)
         w = self.planner.rule.match_width(bs, cand.survival)
         if self.ranks.active:
             w = int(self.ranks.share(torch.tensor([[w]], dtype=torch.long, device=self.device))[0])
@@ -452,14 +452,16 @@ class DSparkWorker(BaseSpecWorker):
         expected = 1.0 + float(cand.survival[:, : w - 1].sum(1).mean())
         return cand.choice(self.model_runner.model_config.vocab_size), w, Decision(True, "match", expected)
 
-    def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None):
-        """Draft block -> rollout -> verify lengths and the step's width (every rank verifies rank 0's drafts)."""
+    def _draft(self, batch, anchor: Tensor, rows, noise, seq_lens: Tensor, longest: int | None,
+               states: list[MatchState | None] | None = None, cand: MatchStep | None = None):
+        """Draft block -> rollout -> [the hybrid's choice against the rows' matches `cand`] -> verify lengths and the
+        step's width (every rank verifies rank 0's drafts)."""
         bs = len(anchor)
         ctx = self.context.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, longest)
         h = self.draft.forward_step(anchor, ctx)
         self.times.mark("draft")
         prop = propose(self.draft, h, anchor, rows, noise)
-        prop, choice, _ = self._choose(batch.reqs, batch.seq_lens_cpu, prop, rows)
+        prop, choice = self._choose(states, cand, prop, rows)
         self.times.mark("rollout")
         if choice is not None and choice.conf is not None:  # the width rule sees the chosen proposals' survival
             lengths = self.planner.lengths_from_conf(choice.conf, bs, self.device)

@@ -24,9 +24,9 @@ from torch import Tensor
 from dspark_sgl.faults import planted
 from dspark_sgl.model.draft import DraftContextCache, DSparkDraft
 from dspark_sgl.speculative.markov import Proposal
-from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState
+from dspark_sgl.speculative.match import Choice, MatchChooser, MatchConfig, MatchState, MatchStep
 from dspark_sgl.speculative.rows import accept_rows, next_tokens, propose, step_noise
-from dspark_sgl.speculative.scheduler import AdaptivePlanner
+from dspark_sgl.speculative.scheduler import AdaptivePlanner, draft_rows
 from dspark_sgl.speculative.target_dist import BatchSampling, OutputHistory, RequestSampling, adjust_logits
 from dspark_sgl.speculative.timing import PHASES, STEP_PHASES, StepTimer
 from dspark_sgl.targets.hf import HFTarget, TargetKV
@@ -169,9 +169,10 @@ class SpecEngine:
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
                          max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live])
             n0 = [len(o.token_ids) for o in step.outs]
-            if self.draft is not None and self._speculate(len(live)):
-                anchor = self._spec_step(kv, ctx, anchor, step, clock)
-            elif (match := self._match_step(step, anchor.device)) is not None:
+            cand = None if self.matcher is None else self.matcher.match_only(step.matches, self.gamma, anchor.device)
+            if self.draft is not None and self._speculate(len(live), cand):
+                anchor = self._spec_step(kv, ctx, anchor, step, clock, cand=cand)
+            elif (match := self._match_step(step, cand)) is not None:
                 anchor = self._spec_step(kv, ctx, anchor, step, clock, match)
             else:
                 anchor = self._plain_step(kv, anchor, step, clock, ctx)
@@ -189,16 +190,17 @@ class SpecEngine:
             else None
         return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
 
-    def _speculate(self, batch_size: int) -> bool:
-        """The full-cost planner's decision for this step (earlier steps' data only); other planners always draft."""
-        return not isinstance(self.planner, AdaptivePlanner) or self.planner.decide(batch_size).speculate
+    def _speculate(self, batch_size: int, cand: MatchStep | None = None) -> bool:
+        """The full-cost planner's decision for this step (earlier steps' data and the rows' matches `cand`, a
+        function of the committed text); other planners always draft."""
+        return not isinstance(self.planner, AdaptivePlanner) or \
+            self.planner.decide(batch_size, None if cand is None else cand.survival).speculate
 
-    def _match_step(self, step: _Step, device) -> tuple[Choice, int] | None:
+    def _match_step(self, step: _Step, cand: MatchStep | None) -> tuple[Choice, int] | None:
         """Where the full-cost rule said off: (the matches' Choice, width) when verifying the rows' matches alone, with
         no draft pass, pays (FullCostRule.match_width); None for a plain step."""
-        if self.matcher is None or not isinstance(self.planner, AdaptivePlanner):
+        if cand is None or not isinstance(self.planner, AdaptivePlanner):
             return None
-        cand = self.matcher.match_only(step.matches, self.gamma, device)
         width = self.planner.rule.match_width(len(step.outs), cand.survival)
         return (cand.choice(self.target.vocab_size), width) if width > 1 else None
 
@@ -221,9 +223,10 @@ class SpecEngine:
         return nxt
 
     def _spec_step(self, kv: TargetKV, ctx: DraftContextCache, anchor: Tensor, step: _Step, clock: StepTimer,
-                   match: tuple[Choice, int] | None = None) -> Tensor:
-        """A speculative step: draft, choose (the hybrid), schedule, verify, accept, commit. `match` (a match step:
-        `_match_step`'s choice and width) skips the draft pass and verifies the rows' matches alone."""
+                   match: tuple[Choice, int] | None = None, cand: MatchStep | None = None) -> Tensor:
+        """A speculative step: draft, choose (the hybrid, against the rows' matches `cand`), schedule, verify, accept,
+        commit. `match` (a match step: `_match_step`'s choice and width) skips the draft pass and verifies the rows'
+        matches alone."""
         draft, gamma = self.draft, self.gamma
         timer = StepTimer() if self.time_split and match is None else None
         clock.lap("other", anchor)
@@ -241,7 +244,7 @@ class SpecEngine:
         choice = None
         if self.matcher is not None:
             choice = self.matcher.choose(step.matches, prop, self._confidences(prop), step.bs.greedy,
-                                         self.target.vocab_size)
+                                         self.target.vocab_size, cand)
             prop = choice.proposal
         limit = None
         if self.planner is not None:
@@ -285,7 +288,8 @@ class SpecEngine:
             if drafted or planted("match_step_stats"):  # planted: a match step's acceptance taken as the draft's
                 self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"], after_s,
                                                res.num_accepted,
-                                               self.planner.survival_factors(prop) if choice is None else choice.conf)
+                                               self.planner.survival_factors(prop) if choice is None else choice.conf,
+                                               None if choice is None or not drafted else draft_rows(choice.use_match))
             else:
                 self.planner.rule.observe_match(len(keep), n_verify, after_s)
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work

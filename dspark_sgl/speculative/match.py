@@ -260,13 +260,14 @@ class MatchChooser:
         return torch.where(greedy.cpu()[:, None], full, first)
 
     def choose(self, states: Sequence[MatchState], prop: Proposal, conf: Tensor | None, greedy: Tensor,
-               vocab_size: int) -> Choice:
+               vocab_size: int, cand: MatchStep | None = None) -> Choice:
         """This step's Proposal to verify: per row, the match's block when its expected accepted length beats the
-        draft's (and some suffix matched), else the draft's."""
+        draft's (and some suffix matched), else the draft's. `cand`: this step's matches when already looked up
+        (`match_only`, which the full-cost rule read before drafting)."""
         gamma = prop.tokens.shape[1]
         dev = prop.tokens.device
-        toks, k, n = self.propose(states, gamma, dev)
-        m_surv = self.match_survival(states, k, n, gamma)
+        cand = cand if cand is not None else self.match_only(states, gamma, dev)
+        toks, k, n, m_surv = cand.tokens.to(dev), cand.k, cand.n, cand.survival
         d_surv = self.draft_survival(states, conf, greedy, gamma)
         use = (k.cpu() > 0) & (expected_accepted(m_surv) > expected_accepted(d_surv))
         use_dev = use.to(dev)

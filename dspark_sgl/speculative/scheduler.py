@@ -48,6 +48,13 @@ Policy = Literal["static", "confidence"]
 POLICIES: tuple[str, ...] = ("static", "confidence")
 
 
+def draft_rows(from_match: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows whose outcome is the draft's [R] bool, from the hybrid's per-row source (None: every row)."""
+    if from_match is None or planted("match_rows_stats"):  # planted: the match rows' acceptance taken as the draft's
+        return None
+    return ~from_match.to(torch.bool)
+
+
 def _check_conf(conf: torch.Tensor) -> None:
     if not isinstance(conf, torch.Tensor) or conf.dim() != 2 or not conf.is_floating_point():
         shape = tuple(conf.shape) if isinstance(conf, torch.Tensor) else type(conf).__name__
@@ -225,9 +232,13 @@ class ConfidencePlanner:
 # (T_after = verify + accept + commit of a width-w step). Before drafting, from earlier steps only, the rule speculates
 # when max_w spec(w) beats off by `margin` (and keeps speculating down to margin - hysteresis; off holds for at least
 # `dwell` decisions of its bucket, on for `dwell_on`). E[accepted | w] is the running per-position acceptance of earlier
-# steps. After drafting, the width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with
-# this step's per-request survivals corrected by the running ratio realized / predicted per position (the confidence
-# head's calibration, learnt online). The decision to draft reads nothing of this step, and column d's width decision
+# steps (of the rows that verified the draft's block). With the hybrid (speculative/match.py) each row also has a
+# match from its own text, known before drafting: a drafted row then counts the better of its match and the draft
+# (as the choice after drafting will), and the arm to beat is the better of a plain step and a match step (T_after
+# only, no draft pass), so the draft runs only where it adds to what the text gives for free. After drafting, the
+# width is the padded look-ahead rule on the full-cost rate 1 / (T_draft + T_after(w)), with this step's per-request
+# survivals corrected by the running ratio realized / predicted per position (the confidence head's calibration,
+# learnt online). The decision to draft reads nothing of this step, and column d's width decision
 # reads columns <= d only: exact at every temperature by the argument of the module docstring.
 
 Mode = Literal["auto", "on", "off", "match"]
@@ -396,11 +407,15 @@ class AcceptStats:
             self.predicted += (survival.detach().to("cpu", torch.float64) * verified).sum(0)
             self.reached += ((c >= j) * verified).sum(0)
 
-    def expected_accepted(self, prior: float = 0.5, strength: float = 2.0) -> torch.Tensor:
-        """E[accepted drafts | width w] for w = 1 .. gamma + 1 ([gamma + 1] float64): the products of the per-position
-        pass rates (a weak prior where a position was never tested)."""
-        rate = (self.passed + prior * strength) / (self.tested + strength)
-        return torch.cat([rate.new_zeros(1), rate.cumprod(0).cumsum(0)])
+    def survival(self, prior: float = 0.5, strength: float = 2.0) -> torch.Tensor:
+        """P(draft j accepted) for j = 1 .. gamma ([gamma] float64): the products of the per-position pass rates (a
+        weak prior where a position was never tested)."""
+        return ((self.passed + prior * strength) / (self.tested + strength)).cumprod(0)
+
+    def expected_accepted(self) -> torch.Tensor:
+        """E[accepted drafts | width w] for w = 1 .. gamma + 1 ([gamma + 1] float64)."""
+        s = self.survival()
+        return torch.cat([s.new_zeros(1), s.cumsum(0)])
 
     def calibration(self, strength: float = 4.0) -> torch.Tensor:
         """Per position, realized / predicted survival ([gamma]; 1 where nothing is known yet)."""
@@ -487,25 +502,51 @@ class FullCostRule:
         self.overall = AcceptStats(self.gamma)
 
     # -- before drafting ---------------------------------------------------------------------------------------
-    def rates(self, batch_size: int) -> tuple[list[float], float] | None:
-        """(expected tokens/s of a speculative step at each width w = 1 .. W, tokens/s of a plain step), or None while
-        either arm of the bucket is unmeasured."""
+    def rates(self, batch_size: int, match: torch.Tensor | None = None) -> tuple[list[float], float] | None:
+        """(expected tokens/s of a speculative step at each width w = 1 .. W, tokens/s of the best step without a
+        draft pass), or None while either arm of the bucket is unmeasured. `match` [B, gamma]: the survival of each
+        row's match from its own text (the hybrid; 0 where none). With it, a drafted step's row verifies whichever
+        of the draft's block and the match is expected to commit more (as `MatchChooser.choose` will), and the step
+        without a draft pass is the better of a plain step and a match step (`match_width`): drafting must beat what
+        the text gives for free."""
         spec_s, off_s = self.costs.spec_seconds(batch_size), self.costs.off_seconds(batch_size)
         if spec_s is None or off_s is None:
             return None
-        tokens = (1.0 + self._stats(batch_size).expected_accepted()) * batch_size
-        return [float(t) / s for t, s in zip(tokens, spec_s, strict=True)], batch_size / off_s
+        draft = self._stats(batch_size).survival()
+        if match is None or not match.numel():
+            tokens = batch_size * (1.0 + torch.cat([draft.new_zeros(1), draft.cumsum(0)]))
+            return [float(t) / s for t, s in zip(tokens, spec_s, strict=True)], batch_size / off_s
+        m = match.detach().to(torch.float64).cpu().clamp(0.0, 1.0)
+        rows = torch.where((m.sum(1) > draft.sum())[:, None], m, draft[None])
+        spec = self._tokens(batch_size, rows) / torch.tensor(spec_s, dtype=torch.float64)
+        return spec.tolist(), max(batch_size / off_s, self._match_rate(batch_size, m)[0])
 
-    def decide(self, batch_size: int) -> Decision:
-        """Speculate this step or not, from earlier steps' data only (costs, acceptance, this bucket's counters)."""
+    @staticmethod
+    def _tokens(batch_size: int, survival: torch.Tensor) -> torch.Tensor:
+        """Expected committed tokens of a step at widths 1 .. gamma + 1 from the rows' survival [B, gamma]."""
+        return batch_size + torch.cat([survival.new_zeros(1), survival.sum(0).cumsum(0)])
+
+    def _match_rate(self, batch_size: int, survival: torch.Tensor) -> tuple[float, int]:
+        """(tokens/s, width) of the best match step (no draft pass: T_after(w)); (0, 1) while its costs are unknown."""
+        costs = self.costs.buckets.get(batch_bucket(batch_size))
+        after = None if costs is None else costs.after_seconds()
+        if after is None or not survival.numel():
+            return 0.0, 1
+        rates = self._tokens(batch_size, survival) / torch.tensor(after, dtype=torch.float64)
+        w = int(rates.argmax()) + 1
+        return float(rates[w - 1]), w
+
+    def decide(self, batch_size: int, match: torch.Tensor | None = None) -> Decision:
+        """Speculate this step or not, from earlier steps' data only (costs, acceptance, this bucket's counters) and,
+        with the hybrid, the survival [B, gamma] of the rows' matches (a function of the committed text)."""
         st = self._state.setdefault(batch_bucket(batch_size), _BucketState())
         st.decisions += 1
-        decision = self._decide(batch_size, st)
+        decision = self._decide(batch_size, st, match)
         if decision.speculate:
             st.why[decision.why] += 1
         return decision
 
-    def _decide(self, batch_size: int, st: _BucketState) -> Decision:
+    def _decide(self, batch_size: int, st: _BucketState, match: torch.Tensor | None = None) -> Decision:
         cfg = self.config
         if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch):
             return Decision(False, "cap" if cfg.mode in ("auto", "match") else "forced", 1.0)
@@ -518,7 +559,7 @@ class FullCostRule:
             return Decision(True, "cold", self._predicted(batch_size))
         if costs.off.seen < cfg.cold_samples:
             return Decision(False, "cold", 1.0)
-        rates = self.rates(batch_size)
+        rates = self.rates(batch_size, None if planted("match_blind_decide") else match)
         if rates is not None:
             ratio = max(rates[0]) / rates[1]
             want = ratio > 1 + cfg.margin - (cfg.hysteresis if st.on else 0.0)
@@ -548,13 +589,9 @@ class FullCostRule:
         if costs is None or sum(c.seen for c in costs.after[1:]) < cfg.cold_samples:
             cols = s.sum(0).nonzero()
             return int(cols.max()) + 2 if cols.numel() else 1
-        after, off_s = costs.after_seconds(), self.costs.off_seconds(batch_size)
-        if after is None or off_s is None:
-            return 1
-        tokens = batch_size + torch.cat([s.new_zeros(1), s.sum(0).cumsum(0)])  # w = 1 .. gamma + 1
-        rates = tokens / torch.tensor(after, dtype=torch.float64)
-        w = int(rates.argmax()) + 1
-        return w if float(rates[w - 1]) > (1 + cfg.margin) * batch_size / off_s else 1
+        off_s = self.costs.off_seconds(batch_size)
+        rate, w = self._match_rate(batch_size, s)
+        return w if off_s is not None and rate > (1 + cfg.margin) * batch_size / off_s else 1
 
     # -- after drafting ----------------------------------------------------------------------------------------
     def widths(self, conf: torch.Tensor) -> torch.Tensor:
@@ -588,13 +625,14 @@ class FullCostRule:
             self.costs.observe_off(batch_size, seconds)
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float | None, after_s: float | None,
-                     accepted: torch.Tensor, conf: torch.Tensor | None = None) -> None:
+                     accepted: torch.Tensor, conf: torch.Tensor | None = None, rows: torch.Tensor | None = None
+                     ) -> None:
         """One speculative step: its timings (None: not known yet, e.g. CUDA events still running: the worker passes
         them later to `observe_spec_costs`), the accepted drafts per row and the raw survival factors it was scheduled
-        with."""
+        with (`rows`: those that verified the draft's block, see `observe_accept`)."""
         if draft_s is not None and after_s is not None:
             self.observe_spec_costs(batch_size, width, draft_s, after_s)
-        self.observe_accept(batch_size, width, accepted, conf)
+        self.observe_accept(batch_size, width, accepted, conf, rows)
 
     def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         if self.learn_costs:
@@ -606,7 +644,13 @@ class FullCostRule:
             self.costs.observe_match(batch_size, width, after_s)
 
     def observe_accept(self, batch_size: int, width: int, accepted: torch.Tensor,
-                       conf: torch.Tensor | None = None) -> None:
+                       conf: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """The draft's acceptance at this step: `rows` [R] bool (host) selects the rows that verified the draft's block
+        (the hybrid's match rows are the matcher's to learn: `draft_rows`); None: every row."""
+        if rows is not None:
+            accepted, conf = accepted[rows.to(accepted.device)], None if conf is None else conf[rows.to(conf.device)]
+            if not accepted.numel():
+                return
         survival = None
         if conf is not None and conf.numel():
             survival = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0).cumprod(1)
@@ -652,8 +696,8 @@ class AdaptivePlanner:
     rule: FullCostRule
     temperatures: torch.Tensor | None = None
 
-    def decide(self, batch_size: int) -> Decision:
-        return self.rule.decide(batch_size)
+    def decide(self, batch_size: int, match: torch.Tensor | None = None) -> Decision:
+        return self.rule.decide(batch_size, match)
 
     def survival_factors(self, proposal: Proposal) -> torch.Tensor | None:
         return None if proposal.conf_logits is None else self.calibrated(proposal.conf_logits)
