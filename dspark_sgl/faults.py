@@ -70,7 +70,7 @@ PLANTS = frozenset({
     "verify_limit", "hybrid_commit", "hybrid_state", "context_keep", "stale_cap", "d2t_sampled", "markov_prev",
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
     "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats", "grammar_mask",
-    "anchor_last", "accept_per_step", "match_rows_stats", "match_blind_decide",
+    "anchor_last", "accept_per_step", "match_rows_stats", "match_blind_decide", "cost_unordered",
 })
 
 

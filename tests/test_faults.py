@@ -30,6 +30,7 @@ from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_fullcost_rule import (
     alternating,
     check_acceptance_memory_in_rows,
+    check_costs_are_ordered,
     check_decided_before_drafting,
     check_off_where_the_draft_cannot_pay,
 )
@@ -214,6 +215,7 @@ ENGINE_CHECKS = {
     "accept_per_step": check_acceptance_memory_in_rows,
     "match_rows_stats": check_match_rows_stay_out_of_the_draft_statistics,
     "match_blind_decide": check_the_rule_weighs_the_matches,
+    "cost_unordered": check_costs_are_ordered,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

@@ -165,6 +165,23 @@ def test_cold_start_measures_both_arms_then_explores_rarely():
     assert [i for i in range(6, 64) if arms[i]] == [15, 31, 47, 63] and {whys[i] for i in (15, 31)} == {"explore"}
 
 
+def check_costs_are_ordered() -> tuple[bool, str]:
+    """Noisy medians may price a width-2 verify below an off step (stop 46's served bucket 4: 105 ms against 134) or a
+    width below a narrower one. Priced as measured, a draft accepted 10 % of the time "pays" (1.1 tokens in 10 ms
+    against 1 in 12); floored to an off step's cost, it does not, and the widths come out non-decreasing."""
+    costs = table(GAMMA, 0.012, 0.002, [0.012, 0.008, 0.020, 0.015, 0.030, 0.030, 0.030, 0.030])
+    rule = rule_with(costs, 0.1)
+    after = costs.buckets[1].after_seconds()
+    ordered = all(b >= a for a, b in zip(after, after[1:], strict=False)) and min(after) >= 0.012
+    speculated = rule.decide(1).speculate
+    return ordered and not speculated, f"T_after(w) ms {[round(t * 1e3, 1) for t in after]}, speculated {speculated}"
+
+
+def test_costs_are_floored_by_an_off_step_and_ordered_by_width():
+    ok, detail = check_costs_are_ordered()
+    assert ok, detail
+
+
 def test_costs_are_a_table_by_batch_and_width():
     """B = 8 at width 2 and B = 16 at width 1 are different cells (the SPS table keyed both by 16 tokens); a width
     never measured is interpolated between measured widths and never priced below the widest one past it."""
