@@ -33,6 +33,7 @@ from tests.test_fullcost_rule import (
     check_costs_are_ordered,
     check_decided_before_drafting,
     check_off_where_the_draft_cannot_pay,
+    check_requests_rates,
 )
 from tests.test_match import (
     check_match_rows_stay_out_of_the_draft_statistics,
@@ -216,6 +217,7 @@ ENGINE_CHECKS = {
     "match_rows_stats": check_match_rows_stay_out_of_the_draft_statistics,
     "match_blind_decide": check_the_rule_weighs_the_matches,
     "cost_unordered": check_costs_are_ordered,
+    "request_blind": check_requests_rates,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

@@ -182,6 +182,28 @@ def test_costs_are_floored_by_an_off_step_and_ordered_by_width():
     assert ok, detail
 
 
+def check_requests_rates() -> tuple[bool, str]:
+    """The bucket's acceptance mixes every request it served. After 40 steps at batch 2 where request "code" accepted
+    every draft and request "prose" none (the bucket's pass rate is half of each), the rule drafts for a batch of
+    "code" alone and not for "prose" alone; a new request takes the bucket's rate (it drafts, as the table pays at
+    0.5)."""
+    def history() -> FullCostRule:
+        rule = rule_with(table(GAMMA, 0.010, 0.002, AFTER, batch_size=2), 0.5)
+        for _ in range(40):
+            rule.observe_accept(2, GAMMA + 1, torch.tensor([GAMMA, 0]), keys=["code", "prose"])
+        return rule
+
+    got = {k: history().decide(2, keys=[k, k]).speculate for k in ("code", "prose", "new")}
+    scale = history().requests.scale(["code", "prose", "new"]).tolist()
+    return got == {"code": True, "prose": False, "new": True}, \
+        f"drafts for {got}; realized / expected {[round(x, 2) for x in scale]}"
+
+
+def test_the_rule_reads_each_requests_acceptance():
+    ok, detail = check_requests_rates()
+    assert ok, detail
+
+
 def test_costs_are_a_table_by_batch_and_width():
     """B = 8 at width 2 and B = 16 at width 1 are different cells (the SPS table keyed both by 16 tokens); a width
     never measured is interpolated between measured widths and never priced below the widest one past it."""

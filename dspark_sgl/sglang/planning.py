@@ -231,6 +231,7 @@ class VerifyPlanner:
         if sps is not None:
             self.sps = sps.smoothed()
         self.rule.accept.clear()
+        self.rule.requests.clear()
         self.rule.overall = type(self.rule.overall)(self.gamma)
 
     def set_forced_fraction(self, frac: float | None) -> None:
@@ -242,13 +243,13 @@ class VerifyPlanner:
         logger.info("dspark-sgl: speculation %s", "by the full-cost rule" if self.forced_width is None else
                     f"forced: verify width <= {self.forced_width}" + (" (off)" if self.forced_width == 1 else ""))
 
-    def decide(self, batch_size: int, match: Tensor | None = None) -> Decision:
+    def decide(self, batch_size: int, match: Tensor | None = None, keys: list | None = None) -> Decision:
         """Before drafting: speculate this step? The operator's switch, else the full-cost rule (`match`: the survival
         of the rows' matches, the hybrid). A logprob request changes nothing: its logprobs are read from the columns
         this step verifies, whatever their width."""
         if self.forced_width is not None:
             return Decision(self.forced_width > 1, "forced")
-        return self.rule.decide(batch_size, match)
+        return self.rule.decide(batch_size, match, keys)
 
     def match_allowed(self, decision: Decision) -> bool:
         """May an off step verify the hybrid's matches instead (FullCostRule.match_width prices it)? Not when the
@@ -290,8 +291,8 @@ class VerifyPlanner:
             rec.widths[width] = rec.widths.get(width, 0) + 1
 
     def record(self, lengths: Tensor, width: int, accepted: Tensor, decision: Decision,
-               conf_logits: Tensor | None = None, conf: Tensor | None = None, from_match: Tensor | None = None
-               ) -> None:
+               conf_logits: Tensor | None = None, conf: Tensor | None = None, from_match: Tensor | None = None,
+               keys: list | None = None) -> None:
         """A speculative step's outcome: totals, the bucket's predicted vs realized, the rule's acceptance (of the
         rows that verified the draft's block: `from_match` [B] marks the hybrid's rows that verified a match)."""
         bs = lengths.numel()
@@ -308,7 +309,7 @@ class VerifyPlanner:
             return  # a match step's acceptance is the matcher's (per request and match length), never the draft's
         if conf is None and conf_logits is not None:
             conf = self.survival_factors(conf_logits)
-        self.rule.observe_accept(bs, width, accepted, conf, draft_rows(from_match))
+        self.rule.observe_accept(bs, width, accepted, conf, draft_rows(from_match), keys)
 
     def observe_timing(self, meta: dict, seconds: dict[str, float]) -> None:
         """StepTimes' callback: one finished step's phases feed the cost table (a speculative step: draft phases and

@@ -421,7 +421,7 @@ class DSparkWorker(BaseSpecWorker):
             acc = accept_rows(prop, logits, rows, limit, noise, rule)
             c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
             self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf,
-                                None if choice is None else choice.use_match)
+                                None if choice is None else choice.use_match, [r.rid for r in batch.reqs])
         self.planner.record_step(bs, decision, w)
         self.times.mark("accept")
         return self._commit(batch, on_publish, logits_output, can_run_graph, window, verify_ids, drafts, lengths, w,
@@ -431,7 +431,7 @@ class DSparkWorker(BaseSpecWorker):
         """Speculate this step? The full-cost rule from earlier steps and, with the hybrid, the rows' matches (or the
         operator's switch); under TP rank 0's answer on every rank (each rank's step timings differ, so each would
         decide otherwise)."""
-        decision = self.planner.decide(bs, None if cand is None else cand.survival)
+        decision = self.planner.decide(bs, None if cand is None else cand.survival, [r.rid for r in batch.reqs])
         if self.ranks.active:
             flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
             decision.speculate = bool(self.ranks.share(flag)[0])

@@ -97,6 +97,7 @@ class SpecEngine:
         # Engine totals over every generate() call (callers difference two readings): seconds per STEP_PHASES phase
         # summed over decode steps, the steps, and the prefill seconds.
         self.step_s, self.steps, self.prefill_s = dict.fromkeys(STEP_PHASES, 0.0), 0, 0.0
+        self.calls = 0  # generate() calls so far: a request's key for the rule is (call, row)
         if draft is not None:
             draft.config.validate(target.hidden_size, target.num_layers, target.vocab_size)
             if draft.config.target_layer_ids != target.layer_ids:
@@ -153,6 +154,8 @@ class SpecEngine:
         matches = None if self.matcher is None else \
             [self.matcher.new_state(p + o.token_ids) for p, o in zip(prompts, outs, strict=True)]
         live = list(range(B))  # rows of the batch still generating; finished ones leave the batch
+        self.calls += 1
+        call = self.calls
         while True:
             clock = StepTimer(STEP_PHASES)
             keep = [j for j, i in enumerate(live) if not (outs[i].finished or len(outs[i].token_ids) >= max_new_tokens)]
@@ -167,10 +170,11 @@ class SpecEngine:
                 hist = None if hist is None else OutputHistory(hist.counts[sel], hist.length[sel])
                 clock.lap("commit", anchor)
             step = _Step(bs, gen, [prompts[i] for i in live], [outs[i] for i in live], [stops[i] for i in live],
-                         max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live])
+                         max_new_tokens, s.acceptance, hist, None if matches is None else [matches[i] for i in live],
+                         [(call, i) for i in live])
             n0 = [len(o.token_ids) for o in step.outs]
             cand = None if self.matcher is None else self.matcher.match_only(step.matches, self.gamma, anchor.device)
-            if self.draft is not None and self._speculate(len(live), cand):
+            if self.draft is not None and self._speculate(len(live), cand, step.keys):
                 anchor = self._spec_step(kv, ctx, anchor, step, clock, cand=cand)
             elif (match := self._match_step(step, cand)) is not None:
                 anchor = self._spec_step(kv, ctx, anchor, step, clock, match)
@@ -190,11 +194,11 @@ class SpecEngine:
             else None
         return next_tokens(logits, bs, hist, step_noise(bs, gen, positions))
 
-    def _speculate(self, batch_size: int, cand: MatchStep | None = None) -> bool:
-        """The full-cost planner's decision for this step (earlier steps' data and the rows' matches `cand`, a
-        function of the committed text); other planners always draft."""
+    def _speculate(self, batch_size: int, cand: MatchStep | None = None, keys: list | None = None) -> bool:
+        """The full-cost planner's decision for this step (earlier steps' data, the rows' requests' rates and the
+        rows' matches `cand`, a function of the committed text); other planners always draft."""
         return not isinstance(self.planner, AdaptivePlanner) or \
-            self.planner.decide(batch_size, None if cand is None else cand.survival).speculate
+            self.planner.decide(batch_size, None if cand is None else cand.survival, keys).speculate
 
     def _match_step(self, step: _Step, cand: MatchStep | None) -> tuple[Choice, int] | None:
         """Where the full-cost rule said off: (the matches' Choice, width) when verifying the rows' matches alone, with
@@ -289,7 +293,8 @@ class SpecEngine:
                 self.planner.rule.observe_spec(len(keep), n_verify, sec["draft"] + sec["rollout"], after_s,
                                                res.num_accepted,
                                                self.planner.survival_factors(prop) if choice is None else choice.conf,
-                                               None if choice is None or not drafted else draft_rows(choice.use_match))
+                                               None if choice is None or not drafted else draft_rows(choice.use_match),
+                                               step.keys)
             else:
                 self.planner.rule.observe_match(len(keep), n_verify, after_s)
         sec, ctx_s = clock.seconds, t3 - t2  # the draft context's K/V is draft work, the target's KV verify work
@@ -357,6 +362,7 @@ class _Step:
     acceptance: str
     history: OutputHistory | None  # output so far, the anchor included (only when some row has a penalty)
     matches: list[MatchState] | None = None  # each row's match index (the hybrid, --match)
+    keys: list[tuple[int, int]] | None = None  # each row's request (generate call, row): the rule's per-request rates
 
     def noise(self, device):
         if self.bs.seeds is None:

@@ -31,7 +31,8 @@ Everything is vectorised torch on the confidences' device, with no host sync.
 from __future__ import annotations
 
 import statistics
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -439,6 +440,35 @@ class AcceptStats:
         return float(self.tested[0])
 
 
+class RequestRates:
+    """Each request's draft acceptance relative to its bucket's expectation: realized accepted drafts against the
+    bucket's E[accepted | w] at the widths the request verified, as a ratio shrunk towards 1 by `prior` expected
+    tokens. The bucket's statistics mix every request it served; a server that moves from prose to code (or serves
+    both at once) would otherwise draft for the code rows at the prose rows' rate for hundreds of rows. Bounded: the
+    `capacity` most recently seen requests."""
+
+    def __init__(self, prior: float = 2.0, capacity: int = 4096):
+        self.prior, self.capacity = prior, capacity
+        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()  # key -> [realized, expected]
+
+    def scale(self, keys: Sequence[Hashable]) -> torch.Tensor:
+        """[R] float64: realized / expected of each request (1 for a request with no draft rows yet)."""
+        out = [(r + self.prior) / (e + self.prior) for r, e in (self._seen.get(k, (0.0, 0.0)) for k in keys)]
+        return torch.tensor(out, dtype=torch.float64)
+
+    def record(self, keys: Sequence[Hashable], accepted: torch.Tensor, expected: torch.Tensor) -> None:
+        for k, a, e in zip(keys, accepted.tolist(), expected.tolist(), strict=True):
+            acc = self._seen.pop(k, None) or [0.0, 0.0]
+            acc[0] += a
+            acc[1] += e
+            self._seen[k] = acc
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
 @dataclass
 class RuleConfig:
     """The full-cost rule's knobs (see `FullCostRule`)."""
@@ -505,6 +535,7 @@ class FullCostRule:
     config: RuleConfig = field(default_factory=RuleConfig)
     learn_costs: bool = True  # False: the table is fixed (tests, a trusted offline profile)
     accept: dict[int, AcceptStats] = field(default_factory=dict)
+    requests: RequestRates = field(default_factory=RequestRates)
     overall: AcceptStats = field(init=False)
     _state: dict[int, _BucketState] = field(default_factory=dict, init=False, repr=False)
 
@@ -515,24 +546,28 @@ class FullCostRule:
         self.overall = AcceptStats(self.gamma)
 
     # -- before drafting ---------------------------------------------------------------------------------------
-    def rates(self, batch_size: int, match: torch.Tensor | None = None) -> tuple[list[float], float] | None:
+    def rates(self, batch_size: int, match: torch.Tensor | None = None, keys: Sequence[Hashable] | None = None
+              ) -> tuple[list[float], float] | None:
         """(expected tokens/s of a speculative step at each width w = 1 .. W, tokens/s of the best step without a
         draft pass), or None while either arm of the bucket is unmeasured. `match` [B, gamma]: the survival of each
         row's match from its own text (the hybrid; 0 where none). With it, a drafted step's row verifies whichever
         of the draft's block and the match is expected to commit more (as `MatchChooser.choose` will), and the step
         without a draft pass is the better of a plain step and a match step (`match_width`): drafting must beat what
-        the text gives for free."""
+        the text gives for free. `keys` (one per row: the requests): each row's draft survival is the bucket's scaled
+        by its request's realized / expected acceptance so far (`RequestRates`)."""
         spec_s, off_s = self.costs.spec_seconds(batch_size), self.costs.off_seconds(batch_size)
         if spec_s is None or off_s is None:
             return None
-        draft = self._stats(batch_size).survival()
-        if match is None or not match.numel():
-            tokens = batch_size * (1.0 + torch.cat([draft.new_zeros(1), draft.cumsum(0)]))
-            return [float(t) / s for t, s in zip(tokens, spec_s, strict=True)], batch_size / off_s
-        m = match.detach().to(torch.float64).cpu().clamp(0.0, 1.0)
-        rows = torch.where((m.sum(1) > draft.sum())[:, None], m, draft[None])
+        draft = self._stats(batch_size).survival()[None].expand(batch_size, -1)
+        if keys is not None and not planted("request_blind"):
+            draft = (draft * self.requests.scale(keys)[:, None]).clamp(0.0, 1.0).cummin(1).values
+        rows, alternative = draft, batch_size / off_s
+        if match is not None and match.numel():
+            m = match.detach().to(torch.float64).cpu().clamp(0.0, 1.0)
+            rows = torch.where((m.sum(1) > draft.sum(1))[:, None], m, draft)
+            alternative = max(alternative, self._match_rate(batch_size, m)[0])
         spec = self._tokens(batch_size, rows) / torch.tensor(spec_s, dtype=torch.float64)
-        return spec.tolist(), max(batch_size / off_s, self._match_rate(batch_size, m)[0])
+        return spec.tolist(), alternative
 
     @staticmethod
     def _tokens(batch_size: int, survival: torch.Tensor) -> torch.Tensor:
@@ -549,17 +584,20 @@ class FullCostRule:
         w = int(rates.argmax()) + 1
         return float(rates[w - 1]), w
 
-    def decide(self, batch_size: int, match: torch.Tensor | None = None) -> Decision:
-        """Speculate this step or not, from earlier steps' data only (costs, acceptance, this bucket's counters) and,
-        with the hybrid, the survival [B, gamma] of the rows' matches (a function of the committed text)."""
+    def decide(self, batch_size: int, match: torch.Tensor | None = None, keys: Sequence[Hashable] | None = None
+               ) -> Decision:
+        """Speculate this step or not, from earlier steps' data only (costs, acceptance, this bucket's counters, the
+        rows' requests' acceptance so far when `keys` names them) and, with the hybrid, the survival [B, gamma] of
+        the rows' matches (a function of the committed text)."""
         st = self._state.setdefault(batch_bucket(batch_size), _BucketState())
         st.decisions += 1
-        decision = self._decide(batch_size, st, match)
+        decision = self._decide(batch_size, st, match, keys)
         if decision.speculate:
             st.why[decision.why] += 1
         return decision
 
-    def _decide(self, batch_size: int, st: _BucketState, match: torch.Tensor | None = None) -> Decision:
+    def _decide(self, batch_size: int, st: _BucketState, match: torch.Tensor | None = None,
+                keys: Sequence[Hashable] | None = None) -> Decision:
         cfg = self.config
         if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch):
             return Decision(False, "cap" if cfg.mode in ("auto", "match") else "forced", 1.0)
@@ -572,7 +610,7 @@ class FullCostRule:
             return Decision(True, "cold", self._predicted(batch_size))
         if costs.off.seen < cfg.cold_samples:
             return Decision(False, "cold", 1.0)
-        rates = self.rates(batch_size, None if planted("match_blind_decide") else match)
+        rates = self.rates(batch_size, None if planted("match_blind_decide") else match, keys)
         if rates is not None:
             ratio = max(rates[0]) / rates[1]
             want = ratio > 1 + cfg.margin - (cfg.hysteresis if st.on else 0.0)
@@ -638,14 +676,14 @@ class FullCostRule:
             self.costs.observe_off(batch_size, seconds)
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float | None, after_s: float | None,
-                     accepted: torch.Tensor, conf: torch.Tensor | None = None, rows: torch.Tensor | None = None
-                     ) -> None:
+                     accepted: torch.Tensor, conf: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                     keys: Sequence[Hashable] | None = None) -> None:
         """One speculative step: its timings (None: not known yet, e.g. CUDA events still running: the worker passes
         them later to `observe_spec_costs`), the accepted drafts per row and the raw survival factors it was scheduled
         with (`rows`: those that verified the draft's block, see `observe_accept`)."""
         if draft_s is not None and after_s is not None:
             self.observe_spec_costs(batch_size, width, draft_s, after_s)
-        self.observe_accept(batch_size, width, accepted, conf, rows)
+        self.observe_accept(batch_size, width, accepted, conf, rows, keys)
 
     def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         if self.learn_costs:
@@ -657,13 +695,19 @@ class FullCostRule:
             self.costs.observe_match(batch_size, width, after_s)
 
     def observe_accept(self, batch_size: int, width: int, accepted: torch.Tensor,
-                       conf: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+                       conf: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       keys: Sequence[Hashable] | None = None) -> None:
         """The draft's acceptance at this step: `rows` [R] bool (host) selects the rows that verified the draft's block
-        (the hybrid's match rows are the matcher's to learn: `draft_rows`); None: every row."""
+        (the hybrid's match rows are the matcher's to learn: `draft_rows`); None: every row. `keys` [R]: the rows'
+        requests, whose realized / expected ratios (`RequestRates`) the decision reads."""
         if rows is not None:
             accepted, conf = accepted[rows.to(accepted.device)], None if conf is None else conf[rows.to(conf.device)]
+            keys = None if keys is None else [k for k, r in zip(keys, rows.tolist(), strict=True) if r]
             if not accepted.numel():
                 return
+        if keys is not None:
+            expected = self._stats(batch_size).expected_accepted()[width - 1]
+            self.requests.record(keys, accepted.detach().to("cpu", torch.float64), expected.expand(len(keys)))
         survival = None
         if conf is not None and conf.numel():
             survival = conf.detach().to(torch.float64).nan_to_num(0.0).clamp(0.0, 1.0).cumprod(1)
@@ -709,8 +753,9 @@ class AdaptivePlanner:
     rule: FullCostRule
     temperatures: torch.Tensor | None = None
 
-    def decide(self, batch_size: int, match: torch.Tensor | None = None) -> Decision:
-        return self.rule.decide(batch_size, match)
+    def decide(self, batch_size: int, match: torch.Tensor | None = None, keys: Sequence[Hashable] | None = None
+               ) -> Decision:
+        return self.rule.decide(batch_size, match, keys)
 
     def survival_factors(self, proposal: Proposal) -> torch.Tensor | None:
         return None if proposal.conf_logits is None else self.calibrated(proposal.conf_logits)
