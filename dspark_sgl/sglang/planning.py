@@ -245,8 +245,8 @@ class VerifyPlanner:
 
     def decide(self, batch_size: int, match: Tensor | None = None, keys: list | None = None) -> Decision:
         """Before drafting: speculate this step? The operator's switch, else the full-cost rule (`match`: the survival
-        of the rows' matches, the hybrid). A logprob request changes nothing: its logprobs are read from the columns
-        this step verifies, whatever their width."""
+        of the rows' matches, the hybrid; `keys`: the rows' requests, for their own acceptance). A logprob request
+        changes nothing: its logprobs are read from the columns this step verifies, whatever their width."""
         if self.forced_width is not None:
             return Decision(self.forced_width > 1, "forced")
         return self.rule.decide(batch_size, match, keys)

@@ -382,7 +382,8 @@ class DSparkWorker(BaseSpecWorker):
 
         states = None if lens_cpu is None else self._match_states(batch.reqs, lens_cpu)  # the hybrid's, or None
         cand = None if states is None else self.matcher.match_only(states, self.gamma, self.device)
-        decision = self._decide(batch, bs, cand)  # earlier steps' data and the committed text: lossless
+        rids = [r.rid for r in batch.reqs]  # the rule's per-request acceptance keys
+        decision = self._decide(bs, cand, rids)  # earlier steps' data and the committed text: lossless
         match = None if decision.speculate else self._match_step(bs, decision, cand)
         self.times.mark("decide")
         choice = None
@@ -421,17 +422,17 @@ class DSparkWorker(BaseSpecWorker):
             acc = accept_rows(prop, logits, rows, limit, noise, rule)
             c, bonus = self.ranks.share(acc.num_accepted, acc.bonus)  # and commits what rank 0 accepted
             self.planner.record(lengths, w, c, decision, prop.conf_logits, None if choice is None else choice.conf,
-                                None if choice is None else choice.use_match, [r.rid for r in batch.reqs])
+                                None if choice is None else choice.use_match, rids)
         self.planner.record_step(bs, decision, w)
         self.times.mark("accept")
         return self._commit(batch, on_publish, logits_output, can_run_graph, window, verify_ids, drafts, lengths, w,
                             c, bonus, seq_lens)
 
-    def _decide(self, batch, bs: int, cand: MatchStep | None = None):
+    def _decide(self, bs: int, cand: MatchStep | None, rids: list):
         """Speculate this step? The full-cost rule from earlier steps and, with the hybrid, the rows' matches (or the
         operator's switch); under TP rank 0's answer on every rank (each rank's step timings differ, so each would
         decide otherwise)."""
-        decision = self.planner.decide(bs, None if cand is None else cand.survival, [r.rid for r in batch.reqs])
+        decision = self.planner.decide(bs, None if cand is None else cand.survival, rids)
         if self.ranks.active:
             flag = torch.tensor([[int(decision.speculate)]], dtype=torch.long, device=self.device)
             decision.speculate = bool(self.ranks.share(flag)[0])
