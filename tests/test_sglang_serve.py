@@ -100,6 +100,14 @@ def test_dspark_serve_is_lossless_and_uses_the_draft(smollm2_dir, prompt_ids, pl
     # text where the loaded costs say they pay): match steps, with no draft row at all, and the same tokens.
     saved = json.loads(file.read_text())
     assert len(saved["buckets"]) > 2, saved["buckets"].keys()  # 4 concurrent requests ran: a bucket not profiled
+    # Whether a match step pays is this box's timing: on stop 46's CI box the learnt table let one match step run (it
+    # accepted 0; the request's estimate fell and no later match paid by that table). The restart loads a
+    # table whose verifies cost one plain step at every width (SGLang's CPU path: a verify costs no more than a plain
+    # decode), so that any match surviving > 5 % pays by the rule: what is tested is that the mode runs those steps,
+    # never drafts, reads the table from the cache, and keeps the tokens. (The served steps still correct the table.)
+    for costs in saved["buckets"].values():
+        costs["after"] = [costs["after"][0]] + [list(costs["off"]) for _ in costs["after"][1:]]
+    file.write_text(json.dumps(saved))
     with ServeCommand(smollm2_dir, serve_args=[*args, "--speculate", "match"], env=env) as s:
         again = [s.generate([ids], MAX_NEW)[0]["output_ids"] for ids in prompt_ids[:2]]
         info = s.get("/server_info")["internal_states"][0]["dspark_info_record"]
