@@ -283,7 +283,7 @@ def main(
                    "plain-no-overlap": ("plain no-overlap", ["--no-draft", "--disable-overlap-schedule"]),
                    "ngram": (f"NGRAM k={ngram_tokens}", ["--no-draft", "--speculative-algorithm", "NGRAM",
                                                         "--speculative-num-draft-tokens", str(ngram_tokens)]),
-                   "dspark": ("DSPARK ours (auto)", ["--draft", d]),
+                   "dspark": ("DSPARK ours (auto)", ["--draft", d, "--no-match"]),
                    "dspark-match": ("DSPARK ours (auto + match)", ["--draft", d, "--match"]),
                    "dspark-match-only": ("DSPARK ours (match only)", ["--draft", d, "--speculate", "match"]),
                    "dspark-off": ("DSPARK ours (off)", ["--draft", d, "--speculate", "off"]),

@@ -208,7 +208,7 @@ def main(
                        str(folder), log="builtin", env=env) as s:
                 builtin_runs, _ = measure(s, sets, max_new_tokens, concurrencies)
     dspark, breakdown, info = {}, {}, {}
-    runs = [(dt, dt, []) for dt in draft_dtype or ["float32"]]
+    runs = [(dt, dt, ["--no-match"]) for dt in draft_dtype or ["float32"]]
     if match:
         runs.append((f"{runs[0][1]} + match", runs[0][1], ["--match"]))
     for label, dt, extra in runs:

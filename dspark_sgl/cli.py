@@ -369,7 +369,10 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
-    match: MATCH = False,
+    match: Annotated[bool | None, typer.Option(
+        "--match/--no-match", help="Each step verify the draft's block or a match from the request's own text, "
+        "whichever is expected to commit more (lossless). Default: on with --draft; --no-match: the draft alone.")
+    ] = None,
     speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
                                                        "pays) | on | off | match (never draft; verify matches "
                                                        "from the request's text where they pay; implies --match). "

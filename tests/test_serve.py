@@ -107,17 +107,23 @@ def test_draft_dtype_travels_in_the_override_args_merged_with_the_users(folders,
     target, draft = folders
     monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
     cmd, _ = serve.prepare(serve.ServeConfig(target, draft, dtype="float32", draft_dtype="bfloat16"))
-    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_draft_dtype": "bfloat16"}
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_draft_dtype": "bfloat16",
+                                                                     "dspark_match": True}
     user = ["--json-model-override-args", json.dumps({"dspark_traffic": {"dir": "/tmp/t"}})]
     cmd, _ = serve.prepare(serve.ServeConfig(target, draft, draft_dtype="auto", extra=user))
     assert cmd.count("--json-model-override-args") == 1
     assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_traffic": {"dir": "/tmp/t"},
-                                                                     "dspark_draft_dtype": "auto"}
+                                                                     "dspark_draft_dtype": "auto",
+                                                                     "dspark_match": True}
+    # default: the draft runs in the target's dtype, with the hybrid on (the worker's own default is off: the flag
+    # is always written, so the command means the same whatever the plugin's default)
     cmd, _ = serve.prepare(serve.ServeConfig(target, draft))
-    assert "--json-model-override-args" not in cmd  # default: the draft runs in the target's dtype
-    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, speculate="off", speculate_max_batch=8))
-    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_speculate": "off",
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_match": True}
+    cmd, _ = serve.prepare(serve.ServeConfig(target, draft, match=False, speculate="off", speculate_max_batch=8))
+    assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_match": False, "dspark_speculate": "off",
                                                                      "dspark_speculate_max_batch": 8}
+    cmd, _ = serve.prepare(serve.ServeConfig(target, None))
+    assert "--json-model-override-args" not in cmd  # plain: none of ours
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -127,6 +133,8 @@ def test_draft_dtype_travels_in_the_override_args_merged_with_the_users(folders,
     (dict(speculate="sometimes"), "--speculate must be one of auto, on, off, match"),
     (dict(speculate_max_batch=-1), "--speculate-max-batch must be >= 0"),
     (dict(speculate="off", no_draft=True), "--speculate / --speculate-max-batch need --draft"),
+    (dict(match=True, no_draft=True), "--match / --no-match need --draft"),
+    (dict(match=False, no_draft=True), "--match / --no-match need --draft"),
 ])
 def test_bad_draft_dtype_settings_are_one_clear_error(folders, monkeypatch, kwargs, message):
     target, draft = folders
@@ -182,7 +190,8 @@ def test_draft_root_travels_resolved_in_the_override_args(folders, monkeypatch, 
     user = ["--json-model-override-args", json.dumps({"dspark_traffic": {"dir": "/tmp/t"}})]
     cmd, _ = serve.prepare(serve.ServeConfig(target, draft, draft_root=Path("drafts"), extra=user))
     assert json.loads(_flag(cmd, "--json-model-override-args")) == {"dspark_traffic": {"dir": "/tmp/t"},
-                                                                     "dspark_draft_root": str(tmp_path / "drafts")}
+                                                                     "dspark_draft_root": str(tmp_path / "drafts"),
+                                                                     "dspark_match": True}
     with pytest.raises(serve.ServeError, match="--draft-root 'nowhere' is not a folder"):
         serve.prepare(serve.ServeConfig(target, draft, draft_root=Path("nowhere")))
     started = []
@@ -190,7 +199,13 @@ def test_draft_root_travels_resolved_in_the_override_args(folders, monkeypatch, 
     res = runner.invoke(app, ["serve", "--target", str(target), "--draft", str(draft), "--draft-root", "drafts"])
     assert res.exit_code == 0, res.output
     sent = json.loads(_flag(started[0], "--json-model-override-args"))
-    assert sent == {"dspark_draft_root": str(tmp_path / "drafts")}
+    assert sent == {"dspark_draft_root": str(tmp_path / "drafts"), "dspark_match": True}
+    # the hybrid is the command's default; --no-match serves the draft alone, and names no hybrid without a draft
+    res = runner.invoke(app, ["serve", "--target", str(target), "--draft", str(draft), "--no-match"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(_flag(started[1], "--json-model-override-args")) == {"dspark_match": False}
+    res = runner.invoke(app, ["serve", "--target", str(target), "--no-draft", "--match"])
+    assert res.exit_code == 2 and "--match / --no-match need --draft" in res.output, res.output
 
 
 def test_cpu_tp_gives_each_rank_its_cores_unless_named(folders, monkeypatch):

@@ -42,7 +42,9 @@ class ServeConfig:
     extra: list[str] = field(default_factory=list)  # passed to SGLang verbatim, last
     draft_dtype: str | None = None  # None: the target's; a bf16 draft beside an fp32 target stays lossless
     draft_root: Path | None = None  # None: disk updates may load any folder; else only folders inside this one
-    match: bool = False  # the hybrid: each step verifies the draft's block or a match from the request's own text
+    match: bool | None = None  # the hybrid: each step verifies the draft's block or a match from the request's own
+    # text; None: on wherever a draft is served (it measured >= the draft alone and >= NGRAM on all three sets at
+    # batch 1 and 4: docs/serving.md), False: the draft alone (`--no-match`)
     speculate: str | None = None  # auto (the full-cost rule) | on | off | match; None: auto (static schedule: on)
     speculate_max_batch: int | None = None  # larger batches never speculate
 
@@ -55,8 +57,9 @@ class ServeConfig:
             raise ServeError(f"--draft-dtype must be one of {DTYPE_NAMES}, got {self.draft_dtype!r}")
         if self.draft_dtype is not None and self.draft is None:
             raise ServeError("--draft-dtype needs --draft")
-        if self.match and self.draft is None:
-            raise ServeError("--match needs --draft (it chooses between the draft's block and a match)")
+        if self.match is not None and self.draft is None:
+            raise ServeError("--match / --no-match need --draft (the hybrid chooses between the draft's block and a "
+                             "match)")
         if self.speculate is not None and self.speculate not in MODES:
             raise ServeError(f"--speculate must be one of {', '.join(MODES)}, got {self.speculate!r}")
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
@@ -90,8 +93,8 @@ def server_args(cfg: ServeConfig) -> list[str]:
         ours["dspark_draft_dtype"] = cfg.draft_dtype
     if cfg.draft_root is not None:
         ours["dspark_draft_root"] = str(cfg.draft_root.resolve())
-    if cfg.match:
-        ours["dspark_match"] = True
+    if cfg.draft is not None:
+        ours["dspark_match"] = cfg.match is not False
     if cfg.speculate is not None:
         ours["dspark_speculate"] = cfg.speculate
     if cfg.speculate_max_batch is not None:
