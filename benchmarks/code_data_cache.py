@@ -5,14 +5,13 @@
 The base cache's regenerated answers are reused (its regen-*.jsonl are copied); the recipe's data phase
 (`training.data.prepare_samples`, the recipe's own data section with `--override`s) then runs with one more mix
 source, HumanEval records 50.. (decontaminated against the first 50 of every eval file), so only those are generated
-and the rest re-tokenised. `--copies k` appends k - 1 more copies of the HumanEval samples under new ids (the trainer
-has no per-source weight): with 4, about 6 % of the stop-40 cache's samples are code. LiveCodeBench is not used: its
-prompts' median is 596 tokens, past the recipe's 256-token samples. Use the result as `recipe_ablation.py
---data-cache` (`benchmarks/results/ablation_code_data_xeon.json`)."""
+and the rest re-tokenised. `--copies k` is the source's `repeat`: k - 1 more copies of the HumanEval samples under new
+ids (the trainer has no per-source weight): with 4, about 6 % of the stop-40 cache's samples are code. LiveCodeBench
+is not used: its prompts' median is 596 tokens, past the recipe's 256-token samples. Use the result as
+`recipe_ablation.py --data-cache` (`benchmarks/results/ablation_code_data_xeon.json`)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -44,22 +43,17 @@ def main(
                          [f"data.train={eval_dir / 'gsm8k.jsonl'}", f"data.exclude.files=[{eval_dir}]",
                           *(override or [])])
     cfg = recipe.data
-    cfg.mix.append(SourceConfig(str(eval_dir / "humaneval.jsonl"), skip_samples=50))
+    cfg.mix = [m for m in cfg.mix if not m.train.endswith("humaneval.jsonl")]  # the recipe's own code source
+    cfg.mix.append(SourceConfig(str(eval_dir / "humaneval.jsonl"), skip_samples=50, repeat=copies))
     out.mkdir(parents=True, exist_ok=True)
     for f in base_cache.glob("regen-*.jsonl"):
         shutil.copy(f, out / f.name)
     t0 = time.time()
     samples, _ = prepare_samples(cfg, resolve_target_path(recipe.target.path), out, 0, 1, lambda: None)
-    j = len(cfg.mix)  # the HumanEval source's index
+    j = len(cfg.mix)  # the HumanEval source's index; its copies are pseudo-sources j + 1 .. (training.data.repeated)
     code = [s for s in samples if s.id // SOURCE_ID_STRIDE == j]
-    with open(out / "samples.jsonl", "a") as f:
-        for c in range(1, copies):
-            for s in code:
-                f.write(json.dumps({"id": (j + c) * SOURCE_ID_STRIDE + s.id % SOURCE_ID_STRIDE,
-                                    "input_ids": s.input_ids, "loss_mask": [int(x) for x in s.loss_mask]}) + "\n")
-    print(f"{len(samples)} samples ({len(code)} HumanEval) in {time.time() - t0:.0f} s, "
+    print(f"{len(samples) - len(code) * (copies - 1)} samples ({len(code)} HumanEval) in {time.time() - t0:.0f} s, "
           f"+ {len(code) * (copies - 1)} copies -> {out / 'samples.jsonl'}")
-
 
 if __name__ == "__main__":
     typer.run(main)

@@ -179,6 +179,37 @@ def test_mixture_ids_regeneration_flags_and_exclusion(tmp_path):
         mixture(DataConfig(train=str(tmp_path / "math.jsonl"), exclude=ExcludeConfig(files=[str(tmp_path / "x")])))
 
 
+def test_a_repeated_source_appears_k_times_under_unique_ids(tmp_path, smollm2_dir):
+    """`repeat: k` on a mix source (the recipe's HumanEval x4): its samples are written k times, the copies with the
+    originals' tokens and mask under ids no other sample has (pseudo-sources after the mixture); a bad k is one
+    recipe error."""
+    from collections import Counter
+
+    from dspark_sgl.provenance import ROOT
+    from training.data import SOURCE_ID_STRIDE, SourceConfig, prepare_samples
+    from training.recipe import RecipeError, load_recipe
+
+    def conversations(name: str, n: int) -> str:
+        recs = [{"conversations": [{"from": "human", "value": f"{name} {i}"}, {"from": "gpt", "value": f"ok {i}"}]}
+                for i in range(n)]
+        (tmp_path / f"{name}.json").write_text(json.dumps(recs))
+        return str(tmp_path / f"{name}.json")
+
+    cfg = DataConfig(train=conversations("chat", 3), regenerate=RegenerateConfig(enabled=False), min_supervised=1,
+                     mix=[SourceConfig(train=conversations("code", 2), repeat=3)])
+    samples, _ = prepare_samples(cfg, smollm2_dir, tmp_path / "cache", 0, 1, lambda: None)
+    ids = [s.id for s in samples]
+    assert len(ids) == len(set(ids)) == 3 + 2 * 3
+    assert Counter(i // SOURCE_ID_STRIDE for i in ids) == {0: 3, 1: 2, 2: 2, 3: 2}
+    by_id = {s.id: s for s in samples}
+    for s in samples:
+        if s.id // SOURCE_ID_STRIDE >= 2:
+            original = by_id[SOURCE_ID_STRIDE + s.id % SOURCE_ID_STRIDE]
+            assert (s.input_ids, s.loss_mask) == (original.input_ids, original.loss_mask)
+    with pytest.raises(RecipeError, match="repeat must be an integer >= 1"):
+        load_recipe(ROOT / "configs" / "smollm2-135m-cpu.yaml", ["data.mix=[{train: sharegpt, repeat: 0}]"])
+
+
 def test_heldout_prompts_follow_the_training_records_and_skip_whole_sources(tmp_path):
     from training.data import ExcludeConfig, SourceConfig, heldout_prompts
 

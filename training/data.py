@@ -54,6 +54,11 @@ class SourceConfig:
     skip_samples: int = 0
     max_samples: int | None = None
     regenerate: bool = True  # with data.regenerate.enabled: the target answers this source's user turns
+    repeat: int = 1  # the source's samples appear this many times per epoch (the trainer has no per-source weight)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"data.mix: repeat must be an integer >= 1, got {self.repeat!r} for {self.train!r}")
 
 
 @dataclass
@@ -456,6 +461,19 @@ def read_cache(*caches: Path) -> dict[int, Sample]:
     return out
 
 
+def repeated(samples: list[Sample], sources: list[SourceConfig]) -> list[Sample]:
+    """The extra copies of the samples of every source with `repeat` k > 1: k - 1 copies, copy m (counted over the
+    mixture) under pseudo-source len(sources) + m with the record index kept, so that every id stays unique and a
+    cache names where each copy came from."""
+    out, m = [], len(sources)
+    for j, src in enumerate(sources):
+        mine = [s for s in samples if s.id // SOURCE_ID_STRIDE == j]
+        for _ in range(src.repeat - 1):
+            out += [Sample(m * SOURCE_ID_STRIDE + s.id % SOURCE_ID_STRIDE, s.input_ids, s.loss_mask) for s in mine]
+            m += 1
+    return out
+
+
 def write_samples(path: Path, samples: list[Sample]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -522,7 +540,8 @@ def prepare_samples(cfg: DataConfig, target_dir: Path, cache_dir: Path, rank: in
         if rank == 0:
             got = read_cache(*cache_dir.glob("regen-*.jsonl"))
             got.update({smp.id: smp for smp in tokenize_records(tokenizer, as_is, cfg)})
-            write_samples(final, [got[i] for i in sorted(got) if got[i].num_supervised >= cfg.min_supervised])
+            kept = [got[i] for i in sorted(got) if got[i].num_supervised >= cfg.min_supervised]
+            write_samples(final, kept + repeated(kept, cfg.sources()))
     barrier()
     samples = sorted(read_cache(*traffic_files(final)).values(), key=lambda s: s.id)  # recorded traffic may rotate
     if not samples:
