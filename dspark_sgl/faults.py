@@ -71,7 +71,7 @@ PLANTS = frozenset({
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
     "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats", "grammar_mask",
     "anchor_last", "accept_per_step", "match_rows_stats", "match_blind_decide", "cost_unordered",
-    "request_blind",
+    "request_blind", "step_uncapped", "accept_cold",
 })
 
 

@@ -34,6 +34,8 @@ from tests.test_fullcost_rule import (
     check_decided_before_drafting,
     check_off_where_the_draft_cannot_pay,
     check_requests_rates,
+    check_steps_stay_within_the_bound,
+    check_the_draft_is_learnt_before_it_is_priced,
 )
 from tests.test_match import (
     check_match_rows_stay_out_of_the_draft_statistics,
@@ -63,7 +65,7 @@ def test_no_plant_is_active_by_default_and_plant_switches_one_on():
 
 
 def test_an_unknown_name_is_one_clear_error():
-    with pytest.raises(ValueError, match="'nope' is not a known planted bug; known: accept_per_step, .*context_keep"):
+    with pytest.raises(ValueError, match="'nope' is not a known planted bug; known: accept_cold, .*context_keep"):
         with plant("nope"):
             pass
     env = dict(os.environ, **{ENV: "nope"})
@@ -218,6 +220,8 @@ ENGINE_CHECKS = {
     "match_blind_decide": check_the_rule_weighs_the_matches,
     "cost_unordered": check_costs_are_ordered,
     "request_blind": check_requests_rates,
+    "step_uncapped": check_steps_stay_within_the_bound,
+    "accept_cold": check_the_draft_is_learnt_before_it_is_priced,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

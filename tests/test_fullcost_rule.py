@@ -4,6 +4,8 @@ engine keeps the output and the draft context exact."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -179,6 +181,56 @@ def check_costs_are_ordered() -> tuple[bool, str]:
 
 def test_costs_are_floored_by_an_off_step_and_ordered_by_width():
     ok, detail = check_costs_are_ordered()
+    assert ok, detail
+
+
+def check_steps_stay_within_the_bound() -> tuple[bool, str]:
+    """Issue 41: no decode step longer than 2x its bucket's typical step. A bucket-16 table shaped like stop 46's
+    served one (off 145 ms, draft 50 ms, T_after 145 .. 386 ms; its steps' median 153 ms) and a draft or match whose
+    tokens survive at 0.9 per position: tokens/s alone pick width 8 (436 ms drafted, 386 ms as a match step); bounded
+    by 2 x 153 = 306 ms, the rule drafts at <= 3 and matches at <= 4, and still speculates (width 3 pays 1.4x plain).
+    At batch 1 (off 66 ms, a width-8 drafted step 127 ms, median 65 ms) the bound does not bind: width 8."""
+    after16 = [0.145, 0.200, 0.225, 0.278, 0.326, 0.346, 0.366, 0.386]
+    wide = rule_with(table(GAMMA, 0.145, 0.050, after16, batch_size=16), 0.9)
+    for _ in range(40):
+        wide.costs.bucket(16).step.add(0.153)
+    conf = torch.full((16, GAMMA), 0.9, dtype=torch.float64)
+    surv = conf.cumprod(1)
+    spec16, width16, match16 = wide.decide(16).speculate, int(wide.widths(conf).max()), wide.match_width(16, surv)
+    narrow = rule_with(table(GAMMA, 0.066, 0.012, [0.066, 0.085, 0.085, 0.098, 0.098, 0.098, 0.115, 0.115]), 0.9)
+    for _ in range(40):
+        narrow.costs.bucket(1).step.add(0.065)
+    width1 = int(narrow.widths(conf[:1]).max())
+    ok = spec16 and width16 <= 3 and match16 <= 4 and width1 == GAMMA + 1
+    return ok, (f"batch 16: speculates {spec16}, drafted width {width16}, match width {match16}; batch 1: drafted "
+                f"width {width1}")
+
+
+def test_no_step_is_priced_past_twice_the_buckets_typical_step():
+    ok, detail = check_steps_stay_within_the_bound()
+    assert ok, detail
+
+
+def check_the_draft_is_learnt_before_it_is_priced() -> tuple[bool, str]:
+    """A server with a loaded cost table and no acceptance data: the draft's survival is the prior 0.5 per position,
+    and every row has a match at the same prior, which costs no draft pass, so the priced rule would never draft and
+    never learn that this draft accepts everything. The first drafted steps are taken to learn ("learn"); after
+    them the rule drafts on its own ("rule") for all 20 steps."""
+    rule = FullCostRule(GAMMA, table(GAMMA, 0.010, 0.002, AFTER), RuleConfig(cold_samples=0, explore_every=0),
+                        learn_costs=False)
+    match = 0.5 ** torch.arange(1, GAMMA + 1, dtype=torch.float64)[None]
+    whys = []
+    for _ in range(20):
+        d = rule.decide(1, match)
+        whys.append(d.why if d.speculate else "off")
+        if d.speculate:
+            rule.observe_accept(1, GAMMA + 1, torch.tensor([GAMMA]))
+    learnt = whys[:8] == ["learn"] * 8 and whys[8:] == ["rule"] * 12
+    return learnt, f"decisions {Counter(whys)}"
+
+
+def test_a_fresh_server_drafts_to_learn_before_it_prices_the_draft():
+    ok, detail = check_the_draft_is_learnt_before_it_is_priced()
     assert ok, detail
 
 

@@ -230,9 +230,7 @@ class VerifyPlanner:
         self.temperatures = None if sts is None else torch.tensor(sts, dtype=torch.float64)
         if sps is not None:
             self.sps = sps.smoothed()
-        self.rule.accept.clear()
-        self.rule.requests.clear()
-        self.rule.overall = type(self.rule.overall)(self.gamma)
+        self.rule.forget_acceptance()
 
     def set_forced_fraction(self, frac: float | None) -> None:
         """SGLang's dspark_force_budget_frac (its HTTP hook takes numbers in (0, 1] only): 1 (or None) gives the

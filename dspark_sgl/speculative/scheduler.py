@@ -273,15 +273,21 @@ class RunningCost:
         return statistics.median(self.samples) if self.samples else None
 
 
+STEP_WINDOW = 65  # steps in a bucket's typical-step median (`BucketCosts.step`): long enough that the wide steps it
+# bounds never make up half of it
+
+
 @dataclass
 class BucketCosts:
     """One batch bucket's step costs in seconds: `off` (a plain decode step), `draft` (block pass + rollout +
-    schedule) and `after[w - 1]` (verify + accept + commit of a width-w step, w = 1 .. W)."""
+    schedule), `after[w - 1]` (verify + accept + commit of a width-w step, w = 1 .. W) and `step` (every step's whole
+    time, whatever its kind, over a longer window: the bucket's typical step, which bounds its tail)."""
 
     width: int
     off: RunningCost = field(default_factory=RunningCost)
     draft: RunningCost = field(default_factory=RunningCost)
     after: list[RunningCost] = field(default_factory=list)
+    step: RunningCost = field(default_factory=lambda: RunningCost(window=STEP_WINDOW))
 
     def __post_init__(self) -> None:
         self.after = self.after or [RunningCost() for _ in range(self.width)]
@@ -321,14 +327,15 @@ class BucketCosts:
 
     def to_dict(self) -> dict:
         return {"off": list(self.off.samples), "draft": list(self.draft.samples),
-                "after": [list(c.samples) for c in self.after]}
+                "after": [list(c.samples) for c in self.after], "step": list(self.step.samples)}
 
     @classmethod
     def from_dict(cls, width: int, d: dict) -> BucketCosts:
         after = [RunningCost(s) for s in d["after"]]
         if len(after) != width:
             raise ValueError(f"cost table has {len(after)} widths, the verify window {width}")
-        return cls(width, RunningCost(d["off"]), RunningCost(d["draft"]), after)
+        step = RunningCost(d.get("step", ()), window=STEP_WINDOW)  # absent in tables saved before stop 47
+        return cls(width, RunningCost(d["off"]), RunningCost(d["draft"]), after, step)
 
 
 @dataclass
@@ -350,15 +357,19 @@ class CostTable:
         costs = self.bucket(batch_size)
         costs.off.add(seconds)
         costs.after[0].add(seconds)
+        costs.step.add(seconds)
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         costs = self.bucket(batch_size)
         costs.draft.add(draft_s)
         costs.after[width - 1].add(after_s)
+        costs.step.add(draft_s + after_s)
 
     def observe_match(self, batch_size: int, width: int, after_s: float) -> None:
         """A match step (no draft pass) prices T_after(width) only."""
-        self.bucket(batch_size).after[width - 1].add(after_s)
+        costs = self.bucket(batch_size)
+        costs.after[width - 1].add(after_s)
+        costs.step.add(after_s)
 
     def spec_seconds(self, batch_size: int) -> list[float] | None:
         """Seconds of a speculative step at each width w = 1 .. W (draft included), or None before it is measured."""
@@ -374,6 +385,11 @@ class CostTable:
     def off_seconds(self, batch_size: int) -> float | None:
         costs = self.buckets.get(batch_bucket(batch_size))
         return None if costs is None else costs.off.value()
+
+    def typical_seconds(self, batch_size: int) -> float | None:
+        """The median of the bucket's recent steps of every kind (None before one is timed)."""
+        costs = self.buckets.get(batch_bucket(batch_size))
+        return None if costs is None else costs.step.value()
 
     def to_dict(self) -> dict:
         return {"width": self.width, "buckets": {str(b): c.to_dict() for b, c in sorted(self.buckets.items())}}
@@ -482,7 +498,17 @@ class RuleConfig:
     dwell_on: int = 2  # ... and an on bucket speculates before it may switch off (asymmetric: see `margin`)
     explore_every: int = 64  # every n-th decision of a bucket runs the other arm once, to keep its cost fresh
     cold_samples: int = 3  # steps of each arm a bucket times before the rule decides (spec first)
+    # Drafted steps a server runs (at most) before it prices the draft by its acceptance: until `cold_rows` rows have
+    # verified the draft's block, its survival is a prior of 0.5 per position, which a match from the text (the same
+    # prior, no draft pass) always beats, so a server with the hybrid on and a loaded cost table would never draft
+    # and never learn that its draft pays (stop 47: a draft accepting ~2.5 per step served at 1.03 tokens per step).
+    cold_rows: int = 8
     max_batch: int | None = None  # operator cap: larger batches never speculate
+    # No step is priced as a choice when it would take more than this many times the bucket's typical step (the
+    # median of its recent steps of every kind): a wide verify that pays in tokens/s still holds every row's next
+    # token for its whole length (a served bucket-16 table ran width-8 match steps of 390 ms against a 153 ms
+    # median: issue 41's "no decode step longer than 2x its bucket's median"). None: no bound.
+    max_step_ratio: float | None = 2.0
     mode: Mode = "auto"  # "on": always speculate (tests, fixed-schedule benchmarks); "off": never; "match": never
     # draft, verify the text's matches where they pay (a draft not trained yet, or not worth its pass on this box)
 
@@ -490,14 +516,15 @@ class RuleConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; expected one of {MODES}")
         if (self.margin < 0 or self.hysteresis < 0 or min(self.dwell, self.dwell_on) < 1 or self.explore_every < 0
-                or self.cold_samples < 0):
+                or min(self.cold_samples, self.cold_rows) < 0
+                or (self.max_step_ratio is not None and self.max_step_ratio < 1)):
             raise ValueError(f"bad rule settings {self}")
 
 
 @dataclass
 class Decision:
     speculate: bool
-    why: str  # "rule", "cold", "explore", "cap", "forced"
+    why: str  # "rule", "cold" (costs unmeasured), "learn" (acceptance unmeasured), "explore", "cap", "forced"
     predicted: float = 0.0  # expected tokens per request of the step (1 + E[accepted]); 1 when off
 
 
@@ -538,12 +565,20 @@ class FullCostRule:
     requests: RequestRates = field(default_factory=RequestRates)
     overall: AcceptStats = field(init=False)
     _state: dict[int, _BucketState] = field(default_factory=dict, init=False, repr=False)
+    _cold_drafts: int = field(default=0, init=False, repr=False)  # drafted steps taken for want of acceptance data
 
     def __post_init__(self) -> None:
         self.costs = self.costs or CostTable(self.gamma + 1)
         if self.costs.width != self.gamma + 1:
             raise ValueError(f"cost table width {self.costs.width} but the verify window is {self.gamma + 1}")
         self.overall = AcceptStats(self.gamma)
+
+    def forget_acceptance(self) -> None:
+        """A new draft (a live update): its acceptance is learnt again, per bucket and per request; its costs stay."""
+        self.accept.clear()
+        self.requests.clear()
+        self.overall = AcceptStats(self.gamma)
+        self._cold_drafts = 0
 
     # -- before drafting ---------------------------------------------------------------------------------------
     def rates(self, batch_size: int, match: torch.Tensor | None = None, keys: Sequence[Hashable] | None = None
@@ -566,7 +601,8 @@ class FullCostRule:
             m = match.detach().to(torch.float64).cpu().clamp(0.0, 1.0)
             rows = torch.where((m.sum(1) > draft.sum(1))[:, None], m, draft)
             alternative = max(alternative, self._match_rate(batch_size, m)[0])
-        spec = self._tokens(batch_size, rows) / torch.tensor(spec_s, dtype=torch.float64)
+        seconds = torch.tensor(spec_s, dtype=torch.float64)
+        spec = torch.where(self._within(batch_size, seconds), self._tokens(batch_size, rows) / seconds, 0.0)
         return spec.tolist(), alternative
 
     @staticmethod
@@ -580,9 +616,19 @@ class FullCostRule:
         after = None if costs is None else costs.after_seconds()
         if after is None or not survival.numel():
             return 0.0, 1
-        rates = self._tokens(batch_size, survival) / torch.tensor(after, dtype=torch.float64)
+        seconds = torch.tensor(after, dtype=torch.float64)
+        rates = torch.where(self._within(batch_size, seconds), self._tokens(batch_size, survival) / seconds, 0.0)
         w = int(rates.argmax()) + 1
         return float(rates[w - 1]), w
+
+    def _within(self, batch_size: int, seconds: torch.Tensor) -> torch.Tensor:
+        """[W] bool: the widths whose step stays within `max_step_ratio` x the bucket's typical step (all while the
+        bucket has timed none)."""
+        ratio = self.config.max_step_ratio
+        typical = None if ratio is None or planted("step_uncapped") else self.costs.typical_seconds(batch_size)
+        if typical is None:
+            return torch.ones(seconds.shape, dtype=torch.bool, device=seconds.device)
+        return seconds <= ratio * typical
 
     def decide(self, batch_size: int, match: torch.Tensor | None = None, keys: Sequence[Hashable] | None = None
                ) -> Decision:
@@ -610,6 +656,10 @@ class FullCostRule:
             return Decision(True, "cold", self._predicted(batch_size))
         if costs.off.seen < cfg.cold_samples:
             return Decision(False, "cold", 1.0)
+        if (self.overall.samples < cfg.cold_rows and self._cold_drafts < cfg.cold_rows
+                and not planted("accept_cold")):
+            self._cold_drafts += 1
+            return Decision(True, "learn", self._predicted(batch_size))
         rates = self.rates(batch_size, None if planted("match_blind_decide") else match, keys)
         if rates is not None:
             ratio = max(rates[0]) / rates[1]
@@ -654,7 +704,8 @@ class FullCostRule:
         if spec_s is None or conf.numel() == 0:
             return static_verify_lengths(num_requests, gamma, conf.device)
         survival = self.calibrated_survival(conf)
-        rate = 1.0 / torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
+        seconds = torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
+        rate = torch.where(self._within(num_requests, seconds), 1.0 / seconds, 0.0)  # a width past the bound: never
         if planted("decide_peek"):  # turns speculation off after reading this step's drafts' survivals
             off_s = self.costs.off_seconds(num_requests)
             tau = num_requests + torch.cat([survival.new_zeros(1), survival.sum(0).cumsum(0)])
