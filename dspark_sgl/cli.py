@@ -157,6 +157,9 @@ def _engine(target: str, draft: str | None, no_draft: bool, dtype: str, schedule
 
 MATCH = Annotated[bool, typer.Option("--match", help="Each step verify the draft's block or a match from the "
                                      "request's own text, whichever is expected to commit more (lossless).")]
+SERVE_MATCH = Annotated[bool | None, typer.Option(
+    "--match/--no-match", help="Each step verify the draft's block or a match from the request's own text, "
+    "whichever is expected to commit more (lossless). Default: on with --draft; --no-match: the draft alone.")]
 
 
 @app.command()
@@ -369,10 +372,7 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu (pure-torch kernels) | cuda (SGLang's).")] = "cpu",
     draft_root: Annotated[Path | None, typer.Option(help="Refuse disk weight updates from folders outside this one "
                                                          "(symlinks resolved).")] = None,
-    match: Annotated[bool | None, typer.Option(
-        "--match/--no-match", help="Each step verify the draft's block or a match from the request's own text, "
-        "whichever is expected to commit more (lossless). Default: on with --draft; --no-match: the draft alone.")
-    ] = None,
+    match: SERVE_MATCH = None,
     speculate: Annotated[str | None, typer.Option(help="auto (default: speculate where the measured costs say it "
                                                        "pays) | on | off | match (never draft; verify matches "
                                                        "from the request's text where they pay; implies --match). "
@@ -415,6 +415,7 @@ def profile_costs_cmd(
     dtype: DTYPE = "auto",
     draft_dtype: Annotated[str | None, typer.Option(help="As for `dspark serve`.")] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda, as for `dspark serve`.")] = "cpu",
+    match: SERVE_MATCH = None,
     batch_size: Annotated[list[int] | None, typer.Option(help="Batch sizes to profile (repeatable; default 1 2 4 "
                                                               "8 16).")] = None,
     repeats: Annotated[int, typer.Option(help="Interleaved rounds per arm and batch size.")] = 5,
@@ -442,7 +443,7 @@ def profile_costs_cmd(
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         cfg = ServeConfig(target_dir, draft, dtype, device, "127.0.0.1", port, extra=list(ctx.args),
-                          draft_dtype=draft_dtype)
+                          draft_dtype=draft_dtype, match=match)
         if python is not None:
             cfg.python = python.absolute()  # not resolve(): a venv python is a symlink to the base one
         cmd, env = prepare(cfg)

@@ -226,3 +226,37 @@ def test_cpu_tp_gives_each_rank_its_cores_unless_named(folders, monkeypatch):
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in serve.prepare(serve.ServeConfig(folders[0], None))[1]
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "1|0")  # the operator's choice stays
     assert serve.prepare(cfg)[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "1|0"
+
+
+def test_profile_costs_takes_the_serve_commands_hybrid_flag(tmp_path, monkeypatch):
+    """`dspark profile-costs` measures with the flags `dspark serve` will run: --no-match reaches its server as the
+    serve command sends it (an unknown flag would go on to SGLang and stop it), and the default is the hybrid."""
+    import json
+
+    from dspark_sgl.model.checkpoint import save_draft
+    from dspark_sgl.model.draft import DSparkDraft
+    from dspark_sgl.sglang import profile
+    from dspark_sgl.sglang.planning import SPS_CACHE_ENV
+    from tests.conftest import tiny_draft_config
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    draft = save_draft(DSparkDraft(tiny_draft_config()), tmp_path / "draft")
+    monkeypatch.setattr(serve, "probe", lambda python, env=None: INSTALLED)
+    monkeypatch.setenv(SPS_CACHE_ENV, str(tmp_path / "cache"))
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def server(cmd, env, port, log):
+        started.append(cmd)
+        raise Started
+
+    monkeypatch.setattr(profile, "ProfileServer", server)
+    for flags in (["--no-match"], []):
+        res = runner.invoke(app, ["profile-costs", "--target", str(target), "--draft", str(draft), *flags])
+        assert isinstance(res.exception, Started), res.output
+    assert [json.loads(_flag(c, "--json-model-override-args"))["dspark_match"] for c in started] == [False, True]
+    assert all("--no-match" not in c for c in started)
