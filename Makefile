@@ -58,14 +58,19 @@ lint: install
 test: install lint
 	DSPARK_REQUIRE_INSTALLED=1 $(BIN)/python -m pytest -q
 
-# Real SGLang 0.5.23 servers on CPU (slow: ~40 min on 2 cores), in their own venv: first the checks that import
-# sglang in-process (with that venv's python), then every test that needs the venv (servers, the plugin, capture).
+# Real SGLang 0.5.23 servers on CPU (slow: ~40 min on 2 cores one module at a time), in their own venv: first the
+# checks that import sglang in-process (with that venv's python), then every test that needs the venv (servers, the
+# plugin, capture). The servers run at OMP_NUM_THREADS=1 and their tests mostly wait on them, so SGL_JOBS pytest
+# workers (pytest-xdist) run that many modules at once; --dist loadfile keeps a module on one worker, so its
+# module-scoped servers are started once and its tests keep their order. SGL_JOBS=1 runs them one at a time.
 SGL_VENV ?= $(CURDIR)/.venv-sglang
+SGL_JOBS ?= 2
 test-sglang: install
 	bash .ci/install_sglang.sh $(SGL_VENV)
 	DSPARK_REQUIRE_SGLANG=1 $(SGL_VENV)/bin/python -m pytest -q -m sglang_inprocess tests/test_sglang_cpu_shims.py
 	DSPARK_REQUIRE_SGLANG=1 DSPARK_REQUIRE_INSTALLED=1 DSPARK_SGL_VENV=$(SGL_VENV) OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -q --durations=25 -m 'sglang and not planted and not tp' tests/
+		$(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 1,$(SGL_JOBS)),-n $(SGL_JOBS) --dist loadfile) \
+		-m 'sglang and not planted and not tp' tests/
 
 # The served planted-bug checks (tests/test_sglang_planted.py; TP=2's rank divergence is test-tp's):
 # one SGLang server per planted bug (~12 min on an idle
