@@ -117,7 +117,7 @@ test-vllm:
 # llama.cpp (the llama-cpp-python 0.3.36 sdist's, built once into $XDG_CACHE_HOME/dspark-sgl, then reused; 510 s on
 # the 2-core EPYC: benchmarks/results/llamacpp_build_epyc.json) running our GGUF export: T=0 identity with and without
 # the draft, llama.cpp's drafts = ours, export = llama.cpp's converter (docs/llamacpp.md). A missing build fails the
-# tests, never skips them. Not in CI (.ci/run): the build alone would take a large share of its 75 min.
+# tests, never skips them. CI's stage (.ci/run) prefetches the build at -j1, nice 15, while the earlier stages run.
 .PHONY: llamacpp test-llamacpp
 llamacpp:
 	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) nice -n 10 bash benchmarks/llamacpp/build.sh
