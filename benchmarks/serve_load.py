@@ -5,7 +5,10 @@ Every server is started by the product command (`dspark serve`, fp32 on a CPU), 
 (`python -m sglang.benchmark.serving --backend sglang`, the `custom` dataset), not a home-made one, at each
 --concurrency (its `--max-concurrency`; all requests sent at once, `--request-rate inf`), the server's cache flushed
 before each run (the levels send the same prompts: without the flush NGRAM would replay answers it saw before, and
-prefill would hit the radix cache). Methods are interleaved: repeat r, prompt set, level, then every method in an
+prefill would hit the radix cache). `--rates 0.25 --rates 0.5 --rates 1` adds a Poisson sweep after each set's levels:
+the tool's own seeded Poisson arrivals at those fractions of plain's saturation rate (plain's requests/s at the
+largest level, same set and repeat), where throughput follows the arrivals and the latencies tell the methods
+apart. Methods are interleaved: repeat r, prompt set, level, then every method in an
 order rotated by (r + level), so a slow minute of a shared machine lands on different methods.
 Methods: plain SGLang (its default, and without its overlap scheduler, which DSPARK does not use), NGRAM, ours with
 the full-cost rule (`auto`, the default) and ours switched off (`--speculate off`: every step an off step, the cost of
@@ -78,12 +81,14 @@ def write_prompts(file: Path, limit: int, path: Path) -> list[str]:
 
 
 def bench(server: ServeCommand, target: str, prompts: Path, n: int, concurrency: int, output_len: int,
-          out: Path) -> dict:
-    """One run of SGLang's load tool at this concurrency; returns its JSONL record (the last line it wrote)."""
+          out: Path, request_rate: float | None = None) -> dict:
+    """One run of SGLang's load tool at this concurrency (all requests at once, or Poisson arrivals at
+    `request_rate` requests/s, the tool's own seeded process); returns its JSONL record (the last line it wrote)."""
     py = sglang_python()
+    rate = "inf" if request_rate is None else f"{request_rate:.4f}"
     cmd = [str(py), "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", server.url,
            "--dataset-name", "custom", "--dataset-path", str(prompts), "--num-prompts", str(n),
-           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--sharegpt-output-len", str(output_len),
+           "--max-concurrency", str(concurrency), "--request-rate", rate, "--sharegpt-output-len", str(output_len),
            "--apply-chat-template", "--tokenizer", target, "--model", target, "--temperature", "0",
            "--disable-ignore-eos", "--disable-tqdm", "--seed", "0", "--output-file", str(out)]
     # The tool imports SGLang's server package: it needs the same CPU stand-ins (torchvision, sgl_kernel) a server does
@@ -134,28 +139,47 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
+def level(r: dict) -> tuple:
+    """A run's load level: (concurrency, None) for all-at-once runs, (None, fraction) for a Poisson rate that is this
+    fraction of plain's saturation rate. Sorts concurrency levels first."""
+    return (r["concurrency"], r.get("rate_frac"))
+
+
+def level_name(lv: tuple) -> str:
+    c, f = lv
+    return str(c) if f is None else f"Poisson {100 * f:.0f} %"
+
+
+def level_order(lv: tuple) -> tuple:
+    c, f = lv
+    return (f is not None, c or 0, f or 0)
+
+
 def summarize(runs: list[dict]) -> list[dict]:
-    """Median and range over the repeats of each (method, set, concurrency)."""
+    """Median and range over the repeats of each (method, set, level)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["method"], r["set"], r["concurrency"]), []).append(r)
+        groups.setdefault((r["method"], r["set"], level(r)), []).append(r)
     rows = []
-    for (method, name, c), rs in groups.items():
-        row = {"method": method, "set": name, "concurrency": c, "requests": rs[0]["requests"], "repeats": len(rs)}
+    for (method, name, lv), rs in groups.items():
+        row = {"method": method, "set": name, "concurrency": lv[0], "rate_frac": lv[1], "requests": rs[0]["requests"],
+               "repeats": len(rs)}
+        if lv[1] is not None:
+            row["request_rate"] = spread([r["request_rate"] for r in rs])
         for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms"):
             row[k] = spread([r[k] for r in rs])
         acc = [r["accept_length"] for r in rs if r.get("accept_length")]
         row["accept_length"] = spread(acc) if acc else None
         rows.append(row)
     base = "plain" if any(r["method"] == "plain" for r in rows) else "plain no-overlap"
-    plain = {(r["set"], r["concurrency"]): r["output_throughput"]["median"] for r in rows if r["method"] == base}
-    per_rep = {(r["set"], r["concurrency"], r["repeat"]): r["output_throughput"] for r in runs if r["method"] == base}
+    plain = {(r["set"], level(r)): r["output_throughput"]["median"] for r in rows if r["method"] == base}
+    per_rep = {(r["set"], level(r), r["repeat"]): r["output_throughput"] for r in runs if r["method"] == base}
     for r in rows:
-        ref = plain.get((r["set"], r["concurrency"]))
+        ref = plain.get((r["set"], level(r)))
         r["tok_s_vs_plain"] = None if not ref else round(r["output_throughput"]["median"] / ref, 3)
         # paired: each repeat's ratio to plain's run of the same repeat (minutes apart, not a whole run apart)
-        paired = [x["output_throughput"] / per_rep[key] for x in groups[(r["method"], r["set"], r["concurrency"])]
-                  if (key := (x["set"], x["concurrency"], x["repeat"])) in per_rep and per_rep[key]]
+        paired = [x["output_throughput"] / per_rep[key] for x in groups[(r["method"], r["set"], level(r))]
+                  if (key := (x["set"], level(x), x["repeat"])) in per_rep and per_rep[key]]
         r["vs_plain_paired"] = spread(paired) if paired else None
     return rows
 
@@ -165,8 +189,8 @@ def markdown(record: dict) -> str:
     DSPARK servers' per-bucket record."""
     rows = summarize(record["runs"])  # the paired ratios too, for a file written before they existed
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    cells = {(r["set"], r["concurrency"], r["method"]): r for r in rows}
-    keys = sorted({(r["set"], r["concurrency"]) for r in rows})
+    cells = {(r["set"], level(r), r["method"]): r for r in rows}
+    keys = sorted({(r["set"], level(r)) for r in rows}, key=lambda k: (k[0], level_order(k[1])))
     out = ["| set | conc. | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
     for name, c in keys:
         line = []
@@ -179,7 +203,7 @@ def markdown(record: dict) -> str:
             ratio = "" if not p else f" ({p['median']:.2f}× [{p['min']:.2f}–{p['max']:.2f}])"
             line.append(f"{t['median']:.1f} [{t['min']:.1f}–{t['max']:.1f}]{ratio}"
                         + (f", acc {acc['median']:.2f}" if acc else "") + f", n={r['repeats']}")
-        out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+        out.append(f"| {name} | {level_name(c)} | " + " | ".join(line) + " |")
     columns = {"TTFT p50 / p99 ms": lambda r: f"{r['median_ttft_ms']['median']:.0f} / {r['p99_ttft_ms']['median']:.0f}",
                "ITL p50 ms": lambda r: f"{r['median_itl_ms']['median']:.1f}"}
     for title, cell in columns.items():
@@ -187,7 +211,7 @@ def markdown(record: dict) -> str:
                 "|---|---|" + "---|" * len(methods)]
         for name, c in keys:
             line = ["-" if (r := cells.get((name, c, m))) is None else cell(r) for m in methods]
-            out.append(f"| {name} | {c} | " + " | ".join(line) + " |")
+            out.append(f"| {name} | {level_name(c)} | " + " | ".join(line) + " |")
     for m, info in (record.get("dspark_server_info") or {}).items():
         if not info:
             continue
@@ -211,7 +235,8 @@ def plot(rows: list[dict], path: Path, cpu: str) -> None:
     fig, axes = plt.subplots(len(sets), 2, figsize=(10, 3.6 * len(sets)), squeeze=False)
     for i, name in enumerate(sets):
         for method in dict.fromkeys(r["method"] for r in rows):
-            rs = sorted((r for r in rows if r["method"] == method and r["set"] == name), key=lambda r: r["concurrency"])
+            rs = sorted((r for r in rows if r["method"] == method and r["set"] == name and r["rate_frac"] is None),
+                        key=lambda r: r["concurrency"])
             xs = [r["concurrency"] for r in rs]
             for ax, key in zip(axes[i], ("output_throughput", "p99_ttft_ms"), strict=True):
                 med = [r[key]["median"] for r in rs]
@@ -220,7 +245,7 @@ def plot(rows: list[dict], path: Path, cpu: str) -> None:
                 ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=method)
         for ax, ylabel in zip(axes[i], ("output tok/s", "TTFT p99 (ms)"), strict=True):
             ax.set_xscale("log", base=2)
-            levels = sorted({r["concurrency"] for r in rows})
+            levels = sorted({r["concurrency"] for r in rows if r["rate_frac"] is None})
             ax.set_xticks(levels, [str(c) for c in levels])
             ax.set_xlabel("max concurrency")
             ax.set_ylabel(ylabel)
@@ -243,6 +268,10 @@ def main(
     concurrency: Annotated[list[int] | None, typer.Option(help="Max concurrency levels (default 1 4 16).")] = None,
     requests_per_level: Annotated[int, typer.Option(help="Requests per level: max(this, concurrency), at most "
                                                          "--limit.")] = 4,
+    rates: Annotated[list[float] | None, typer.Option(help="Poisson sweep: after each set's concurrency levels, "
+                                                       "request rates at these fractions of plain's saturation "
+                                                       "rate (its requests/s at the largest level, same set and "
+                                                       "repeat); repeatable, e.g. 0.25 0.5 1.")] = None,
     repeats: int = 2,
     output_len: int = 64,
     max_running_requests: int = 64,
@@ -273,6 +302,9 @@ def main(
         target = str(smollm2_hf_dir())
     data = data or [DEFAULT_DATA / "gsm8k.jsonl", DEFAULT_DATA / "humaneval.jsonl"]
     levels = concurrency or [1, 4, 16]
+    rates = rates or []
+    if any(not 0 < f <= 4 for f in rates):
+        raise typer.BadParameter(f"--rates are fractions of plain's saturation rate in (0, 4], got {rates}")
     common = ["--max-running-requests", str(max_running_requests)]
     with tempfile.TemporaryDirectory() as tmp:
         if draft is None:
@@ -302,12 +334,14 @@ def main(
                                                          "--speculative-draft-model-path", str(folder)])
                 envs["DSPARK builtin"] = {**HARNESS_ENV, "SGLANG_RAGGED_VERIFY_MODE": "static"}
         methods = dict(v for k, v in catalog.items() if not only or k in only)
+        if rates and not {"plain", "plain no-overlap"} & set(methods):
+            raise typer.BadParameter("--rates are fractions of plain's saturation rate: run plain too (--only plain)")
         prompt_files = {}  # set name -> (the tool's JSONL, the prompts)
         for file in data:
             jsonl = Path(tmp) / f"{file.stem}.jsonl"
             prompt_files[file.stem] = (jsonl, write_prompts(file, limit, jsonl))
         inputs = dict(draft=str(draft), target=target, data=[str(d) for d in data], limit=limit, concurrency=levels,
-                      requests_per_level=requests_per_level, repeats=repeats, output_len=output_len,
+                      requests_per_level=requests_per_level, rates=rates, repeats=repeats, output_len=output_len,
                       max_running_requests=max_running_requests, ngram_tokens=ngram_tokens, only=only,
                       draft_note=draft_note or f"ShareGPT bigram draft from {bigram_draft} prompts (--bigram-draft)",
                       tool="python -m sglang.benchmark.serving --backend sglang --dataset-name custom "
@@ -344,6 +378,22 @@ def main(
                                           f"TTFT p99 {row['p99_ttft_ms']:.0f} ms")
                             runs.append({**row, "tool_record": rec})
                             write_record(out, inputs, runs, info, identity, complete=False)  # a cut run keeps these
+                    for fi, frac in enumerate(rates):  # Poisson arrivals below / at plain's saturation rate
+                        sat = saturation(runs, rep, name, max(levels))
+                        n = min(len(texts), max(requests_per_level, max(levels)))
+                        k = (rep + len(levels) + fi) % len(names)
+                        for method in names[k:] + names[:k]:
+                            server = servers[method]
+                            server.post("/flush_cache", {})
+                            rec = bench(server, target, prompts, n, max_running_requests, output_len,
+                                        Path(tmp) / f"{method[:5]}-{name}-r{fi}-{rep}.jsonl", request_rate=frac * sat)
+                            row = {"method": method, "set": name, "concurrency": None, "rate_frac": frac,
+                                   "request_rate": frac * sat, "requests": n, "repeat": rep,
+                                   **{key: rec.get(key) for key in KEYS}}
+                            console.print(f"[{rep}] {name} Poisson {frac:.0%} ({frac * sat:.2f} req/s) {method}: "
+                                          f"{row['output_throughput']:.1f} tok/s, TTFT p99 {row['p99_ttft_ms']:.0f} ms")
+                            runs.append({**row, "tool_record": rec})
+                            write_record(out, inputs, runs, info, identity, complete=False)
                 info = {m: servers[m].get("/server_info")["internal_states"][0].get("dspark_info_record")
                         for m in names if m.startswith("DSPARK ours")}  # cumulative: after every repeat
                 write_record(out, inputs, runs, info, identity, complete=False)
@@ -354,9 +404,9 @@ def main(
                         f"{repeats} repeats (median [min-max])")
     for col in ("set", "method", "conc.", "req", "out tok/s", "vs plain", "TTFT p50", "TTFT p99", "accept len"):
         table.add_column(col, justify="left" if col in ("set", "method") else "right")
-    for r in sorted(rows, key=lambda r: (r["set"], r["concurrency"], r["method"])):
+    for r in sorted(rows, key=lambda r: (r["set"], level_order(level(r)), r["method"])):
         t, acc = r["output_throughput"], r["accept_length"]
-        table.add_row(r["set"], r["method"], str(r["concurrency"]), str(r["requests"]),
+        table.add_row(r["set"], r["method"], level_name(level(r)), str(r["requests"]),
                       f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]", f"{r['tok_s_vs_plain'] or 0:.2f}",
                       f"{r['median_ttft_ms']['median']:.0f}", f"{r['p99_ttft_ms']['median']:.0f}",
                       "-" if not acc else f"{acc['median']:.2f}")
@@ -365,6 +415,16 @@ def main(
     if plot_path is not None:
         plot(rows, plot_path, cpu)
         console.print(f"wrote {plot_path}")
+
+
+def saturation(runs: list[dict], rep: int, name: str, c: int) -> float:
+    """Plain's request rate (requests/s) at concurrency c in this repeat and set: the rate the Poisson sweep scales."""
+    for method in ("plain", "plain no-overlap"):
+        got = [r["request_throughput"] for r in runs
+               if r["method"] == method and r["set"] == name and r["repeat"] == rep and r["concurrency"] == c]
+        if got:
+            return got[-1]
+    raise RuntimeError(f"no plain run at concurrency {c} for {name} (repeat {rep}) to scale the Poisson rates by")
 
 
 def profile(py: Path, target: str, draft: str, common: list[str], sizes: list[int], cache: Path, log: Path) -> dict:
