@@ -141,7 +141,7 @@ def spread(values: list[float]) -> dict:
 
 def level(r: dict) -> tuple:
     """A run's load level: (concurrency, None) for all-at-once runs, (None, fraction) for a Poisson rate that is this
-    fraction of plain's saturation rate. Sorts concurrency levels first."""
+    fraction of plain's saturation rate."""
     return (r["concurrency"], r.get("rate_frac"))
 
 
@@ -151,6 +151,7 @@ def level_name(lv: tuple) -> str:
 
 
 def level_order(lv: tuple) -> tuple:
+    """Concurrency levels first (ascending), then the Poisson rates (ascending)."""
     c, f = lv
     return (f is not None, c or 0, f or 0)
 
