@@ -108,6 +108,7 @@ import sglang.srt.plugins as plugins
 from dspark_sgl.sglang import plugin
 plugin.load()
 plugins.HookRegistry.apply_hooks()
+from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 target, draft = sys.argv[1:3]
 base = ["--model-path", target, "--device", "cpu", "--attention-backend", "torch_native", "--speculative-algorithm",
@@ -116,7 +117,7 @@ for extra in sys.argv[3:]:
     args = prepare_server_args(base + extra.split())
     try:
         args.resolve_once()  # SGLang's whole resolution pipeline, our handler inside it; nothing is launched
-        print(f"{extra!r}: resolved")
+        print(f"{extra!r}: resolved, overlap {'off' if resolution_result(args, 'disable_overlap_schedule') else 'on'}")
     except ValueError as e:
         print(f"{extra!r}: refused: {e}")
 """
@@ -125,7 +126,8 @@ for extra in sys.argv[3:]:
 @pytest.mark.sglang
 def test_sglang_resolution_refuses_pp_and_dp_attention(tmp_path):
     """Through SGLang's own argument resolution (each flag spelling as an operator types it): the deprecated
-    `--dp-size N --enable-dp-attention` reaches our handler as `--attn-dp-size N`, and is refused as such."""
+    `--dp-size N --enable-dp-attention` reaches our handler as `--attn-dp-size N`, and is refused as such. And a CPU
+    server resolves without the overlap scheduler, as SGLang's own handlers do for speculative decoding there."""
     target = build_tiny_target(tmp_path / "target", vocab=16)
     draft = build_random_draft(target, tmp_path / "draft", block_size=3, target_layer_ids=[0, 1])
     flags = ["--tp-size 2", *(f for f, _ in REFUSED.values())]
@@ -133,6 +135,8 @@ def test_sglang_resolution_refuses_pp_and_dp_attention(tmp_path):
                          capture_output=True, text=True, env=cpu_env(), cwd="/tmp", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "'--tp-size 2': resolved" in res.stdout, res.stdout
+    # SGLang's rule for speculative decoding on a CPU: no overlap scheduler (it delays every first token by a step)
+    assert "'--tp-size 2': resolved, overlap off" in res.stdout, res.stdout
     for flag, message in REFUSED.values():
         assert re.search(f"'{flag}': refused: dspark-sgl DSPARK {message}", res.stdout), (flag, res.stdout)
 

@@ -48,6 +48,7 @@ def refuse_parallelism(cfg) -> None:
 
 def handle_dspark_args(server_args) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.speculative_hook import _disable_overlap_schedule_for_cpu
 
     cfg = resolving_view(server_args)
     device = str(cfg.device or "cuda")
@@ -56,6 +57,10 @@ def handle_dspark_args(server_args) -> None:
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DSPARK needs --speculative-draft-model-path (a dspark-sgl or SGLang DSpark draft folder)")
     refuse_parallelism(cfg)
+    # SGLang's own rule for its speculative algorithms on a CPU (EAGLE family, NGRAM), which the builtin handler we
+    # replace skipped: no device stream to overlap with, so the overlap scheduler only handles each step's result
+    # after the next step has run, and every first token waits a whole decode step (docs/serving.md, "Overlap").
+    _disable_overlap_schedule_for_cpu(server_args)
     draft = check_draft(
         cfg.speculative_draft_model_path,
         TargetFacts.from_path(cfg.model_path),
