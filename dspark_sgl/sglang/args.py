@@ -59,7 +59,8 @@ def handle_dspark_args(server_args) -> None:
     refuse_parallelism(cfg)
     # SGLang's own rule for its speculative algorithms on a CPU (EAGLE family, NGRAM), which the builtin handler we
     # replace skipped: no device stream to overlap with, so the overlap scheduler only handles each step's result
-    # after the next step has run, and every first token waits a whole decode step (docs/serving.md, "Overlap").
+    # after the next step has run, and every first token waits a whole decode step (docs/serving.md, "Overlap
+    # scheduler: off for DSPARK on a CPU").
     _disable_overlap_schedule_for_cpu(server_args)
     draft = check_draft(
         cfg.speculative_draft_model_path,
