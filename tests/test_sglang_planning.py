@@ -55,9 +55,9 @@ def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
     assert planner.policy == "confidence" and planner.rule.config.mode == "auto"
-    # before any cost exists: speculate (cold start) at the whole window, never a guessed table
+    # before any cost exists: speculate (cold start) at width 2, whose timing prices the rest; never a guessed table
     assert planner.decide(4).speculate and planner.decide(4).why == "cold"
-    assert planner.verify_lengths(torch.zeros(4, 3), 4, "cpu").tolist() == [4, 4, 4, 4]
+    assert planner.verify_lengths(torch.zeros(4, 3), 4, "cpu").tolist() == [2, 2, 2, 2]
     feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 70.0})  # width 4 costs 7x a plain step: 1 and 4 known
     costs = planner.rule.costs.spec_seconds(4)
     assert costs == pytest.approx([0.012, 0.032, 0.052, 0.072])
