@@ -51,6 +51,24 @@ def feed(planner: VerifyPlanner, batch_size: int, off_ms: float, draft_ms: float
                                    {"draft": draft_ms / 1e3, "rollout": 0.0, "verify": ms / 1e3})
 
 
+def test_forced_steps_price_their_kind_but_stay_out_of_the_buckets_median():
+    """The worker marks steps the operator forced (`dspark profile-costs`' arms, the run-time switch): their timings
+    price off / drafted / match steps like any other, but the bucket's median step, which bounds the rule's steps, is
+    the served steps' only (stop 49: the profile's full-width arm made bucket 6's median 255 ms against 143 served)."""
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    kinds = [({"speculate": False, "width": 1}, {"verify": 0.1}),
+             ({"speculate": True, "width": 4}, {"draft": 0.02, "rollout": 0.0, "verify": 0.2}),
+             ({"speculate": True, "width": 3, "match": True}, {"verify": 0.15})]
+    for meta, seconds in kinds:
+        planner.observe_timing({"batch_size": 6, "forced": True, **meta}, seconds)
+    costs = planner.rule.costs.bucket(6)
+    priced = [costs.off.seen, costs.draft.seen, costs.after[3].seen, costs.after[2].seen]
+    assert priced == [1, 1, 1, 1] and not costs.step.samples
+    for meta, seconds in kinds:
+        planner.observe_timing({"batch_size": 6, **meta}, seconds)
+    assert sorted(costs.step.samples) == pytest.approx([0.1, 0.15, 0.22])
+
+
 def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
