@@ -69,6 +69,22 @@ def test_forced_steps_price_their_kind_but_stay_out_of_the_buckets_median():
     assert sorted(costs.step.samples) == pytest.approx([0.1, 0.15, 0.22])
 
 
+def test_a_forced_cap_is_the_operators_not_the_rules_guard(monkeypatch):
+    """Under the run-time switch (and the start-up profile's drafted arm) the width is the operator's: a bucket with
+    no prices verifies up to the cap, not at the rule's cold width (the profile's first drafted step prices the widest
+    width), and a priced bucket is not narrowed by the rule's step-length bound, which guards served latency only."""
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    z = torch.full((4, 3), 4.0)  # confident rows
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [2, 2, 2, 2]  # the rule's cold width
+    planner.set_forced_fraction(0.99)
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]  # the operator's cap
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 30.0})  # width 4: 32 ms, past 1.7 x the 10 ms off step
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]  # forced: priced by rate alone
+    planner.set_forced_fraction(1.0)
+    assert planner.verify_lengths(z, 4, "cpu").tolist() == [1, 1, 1, 1]  # the rule's own: bounded
+
+
 def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))

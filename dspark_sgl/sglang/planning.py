@@ -262,10 +262,13 @@ class VerifyPlanner:
     def lengths_from_conf(self, conf: Tensor | None, batch_size: int, device) -> Tensor:
         """verify_lengths from survival factors of any proposer (the hybrid's rows mix the draft's and a match's)."""
         lengths = torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
+        unpriced = self.rule.costs.spec_seconds(batch_size) is None
+        if self.forced_width is not None and unpriced:  # the operator's cap, not the rule's cold guess: the start-up
+            return lengths.clamp(max=self.forced_width)  # profile's first drafted step per bucket prices the widest
         if self.policy == "confidence" and conf is not None:
             # the worker's verify pads every row to the longest: one width for the batch (the padded rules)
             lengths = schedule(conf, self.sps, "confidence", padded=True) if self.sps is not None \
-                else self.rule.widths(conf)
+                else self.rule.widths(conf, bounded=self.forced_width is None)
         return lengths if self.forced_width is None else lengths.clamp(max=self.forced_width)
 
     def host_width(self, conf_logits: Tensor | None) -> int | None:
