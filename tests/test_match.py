@@ -252,8 +252,8 @@ def test_match_width_prices_the_matches_against_a_plain_step():
     assert rule.match_width(4, thin) == 1
     from dspark_sgl.speculative.scheduler import FullCostRule, RuleConfig
 
-    cold = FullCostRule(4, config=RuleConfig(mode="match"))  # nothing timed yet: width 2 where any row has a match
-    assert not cold.decide(2).speculate and cold.match_width(2, torch.tensor([[0.5, 0.4, 0, 0], [0.5, 0, 0, 0]])) == 2
+    cold = FullCostRule(4, config=RuleConfig(mode="match"))  # nothing timed yet: the longest match's width
+    assert not cold.decide(2).speculate and cold.match_width(2, torch.tensor([[0.5, 0.4, 0, 0], [0.5, 0, 0, 0]])) == 3
     assert cold.match_width(2, torch.zeros(2, 4)) == 1
     capped = slow_draft_planner(4, 4).rule
     capped.config = type(capped.config)(**{**capped.config.__dict__, "max_batch": 2})

@@ -51,47 +51,13 @@ def feed(planner: VerifyPlanner, batch_size: int, off_ms: float, draft_ms: float
                                    {"draft": draft_ms / 1e3, "rollout": 0.0, "verify": ms / 1e3})
 
 
-def test_forced_steps_price_their_kind_but_stay_out_of_the_buckets_median():
-    """The worker marks steps the operator forced (`dspark profile-costs`' arms, the run-time switch): their timings
-    price off / drafted / match steps like any other, but the bucket's median step, which bounds the rule's steps, is
-    the served steps' only (stop 49: the profile's full-width arm made bucket 6's median 255 ms against 143 served)."""
-    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
-    kinds = [({"speculate": False, "width": 1}, {"verify": 0.1}),
-             ({"speculate": True, "width": 4}, {"draft": 0.02, "rollout": 0.0, "verify": 0.2}),
-             ({"speculate": True, "width": 3, "match": True}, {"verify": 0.15})]
-    for meta, seconds in kinds:
-        planner.observe_timing({"batch_size": 6, "forced": True, **meta}, seconds)
-    costs = planner.rule.costs.bucket(6)
-    priced = [costs.off.seen, costs.draft.seen, costs.after[3].seen, costs.after[2].seen]
-    assert priced == [1, 1, 1, 1] and not costs.step.samples
-    for meta, seconds in kinds:
-        planner.observe_timing({"batch_size": 6, **meta}, seconds)
-    assert sorted(costs.step.samples) == pytest.approx([0.1, 0.15, 0.22])
-
-
-def test_a_forced_cap_is_the_operators_not_the_rules_guard(monkeypatch):
-    """Under the run-time switch (and the start-up profile's drafted arm) the width is the operator's: a bucket with
-    no prices verifies up to the cap, not at the rule's cold width (the profile's first drafted step prices the widest
-    width), and a priced bucket is not narrowed by the rule's step-length bound, which guards served latency only."""
-    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
-    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
-    z = torch.full((4, 3), 4.0)  # confident rows
-    assert planner.verify_lengths(z, 4, "cpu").tolist() == [2, 2, 2, 2]  # the rule's cold width
-    planner.set_forced_fraction(0.99)
-    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]  # the operator's cap
-    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 30.0})  # width 4: 32 ms, past 1.7 x the 10 ms off step
-    assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]  # forced: priced by rate alone
-    planner.set_forced_fraction(1.0)
-    assert planner.verify_lengths(z, 4, "cpu").tolist() == [1, 1, 1, 1]  # the rule's own: bounded
-
-
 def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
     assert planner.policy == "confidence" and planner.rule.config.mode == "auto"
-    # before any cost exists: speculate (cold start) at width 2, whose timing prices the rest; never a guessed table
+    # before any cost exists: speculate (cold start) at the whole window, never a guessed table
     assert planner.decide(4).speculate and planner.decide(4).why == "cold"
-    assert planner.verify_lengths(torch.zeros(4, 3), 4, "cpu").tolist() == [2, 2, 2, 2]
+    assert planner.verify_lengths(torch.zeros(4, 3), 4, "cpu").tolist() == [4, 4, 4, 4]
     feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 70.0})  # width 4 costs 7x a plain step: 1 and 4 known
     costs = planner.rule.costs.spec_seconds(4)
     assert costs == pytest.approx([0.012, 0.032, 0.052, 0.072])

@@ -262,13 +262,10 @@ class VerifyPlanner:
     def lengths_from_conf(self, conf: Tensor | None, batch_size: int, device) -> Tensor:
         """verify_lengths from survival factors of any proposer (the hybrid's rows mix the draft's and a match's)."""
         lengths = torch.full((batch_size,), self.gamma + 1, dtype=torch.long, device=device)
-        unpriced = self.rule.costs.spec_seconds(batch_size) is None
-        if self.forced_width is not None and unpriced:  # the operator's cap, not the rule's cold guess: the start-up
-            return lengths.clamp(max=self.forced_width)  # profile's first drafted step per bucket prices the widest
         if self.policy == "confidence" and conf is not None:
             # the worker's verify pads every row to the longest: one width for the batch (the padded rules)
             lengths = schedule(conf, self.sps, "confidence", padded=True) if self.sps is not None \
-                else self.rule.widths(conf, bounded=self.forced_width is None)
+                else self.rule.widths(conf)
         return lengths if self.forced_width is None else lengths.clamp(max=self.forced_width)
 
     def host_width(self, conf_logits: Tensor | None) -> int | None:
@@ -318,13 +315,12 @@ class VerifyPlanner:
         bs, spec = meta["batch_size"], meta["speculate"]
         draft_s, after_s = costs_of_step(seconds)
         self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append(draft_s + after_s)
-        typical = not meta.get("forced")  # a forced step (the profile's arms) is no sample of the served mix
         if meta.get("match"):  # no draft pass: T_after(width) only
-            self.rule.observe_match(bs, int(meta["width"]), after_s, typical)
+            self.rule.observe_match(bs, int(meta["width"]), after_s)
         elif spec:
-            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s, typical)
+            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s)
         else:
-            self.rule.observe_off(bs, after_s, typical)
+            self.rule.observe_off(bs, after_s)
         self._timed += 1
         priced = sum(b.off.seen > 0 and b.draft.seen > 0 for b in self.rule.costs.buckets.values())
         if priced > self._priced or self._timed % SAVE_EVERY == 0:  # a bucket's both arms now known, or periodically

@@ -255,12 +255,6 @@ def batch_bucket(batch_size: int) -> int:
     return p * 3 // 4 if batch_size <= p * 3 // 4 else p
 
 
-def buckets_up_to(batch_size: int) -> tuple[int, ...]:
-    """Every bucket `batch_bucket` gives for batches 1 .. batch_size (16: 1, 2, 3, 4, 6, 8, 12, 16): what a start-up
-    profile measures so that no bucket a server reaches on the way (a batch of 8 drains through 6) starts cold."""
-    return tuple(sorted({batch_bucket(b) for b in range(1, max(int(batch_size), 1) + 1)}))
-
-
 class RunningCost:
     """Seconds of one kind of step: the median of the last `window` samples (one slow step moves nothing; a machine
     that got busier moves it within `window` steps)."""
@@ -281,10 +275,6 @@ class RunningCost:
 
 STEP_WINDOW = 65  # steps in a bucket's typical-step median (`BucketCosts.step`): long enough that the wide steps it
 # bounds never make up half of it
-TYPICAL_MIN = 8  # steps a bucket's median needs before it is the bound's reference (fewer: a plain step's cost)
-COLD_WIDTH = 2  # the width of a step nobody has priced: a width-2 verify is the width-1 forward over twice the
-# columns, so it costs at most ~2 plain steps (on a CPU, where cost follows columns; far less on a GPU), and its
-# timing prices the wider widths (linear from 1 and 2) for the rule, which then widens only where they pay
 
 
 @dataclass
@@ -362,29 +352,24 @@ class CostTable:
             self.buckets[b] = BucketCosts(self.width)
         return self.buckets[b]
 
-    # `typical=False`: a step the operator forced (the start-up profile's arms, the run-time switch) prices its kind
-    # but is not one of the served mix whose median bounds the rule's steps (`reference_seconds`).
-    def observe_off(self, batch_size: int, seconds: float, typical: bool = True) -> None:
+    def observe_off(self, batch_size: int, seconds: float) -> None:
         """A plain step is also a width-1 verify without a draft: it prices T_after(1) as well."""
         costs = self.bucket(batch_size)
         costs.off.add(seconds)
         costs.after[0].add(seconds)
-        if typical or planted("forced_typical"):
-            costs.step.add(seconds)
+        costs.step.add(seconds)
 
-    def observe_spec(self, batch_size: int, width: int, draft_s: float, after_s: float, typical: bool = True) -> None:
+    def observe_spec(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         costs = self.bucket(batch_size)
         costs.draft.add(draft_s)
         costs.after[width - 1].add(after_s)
-        if typical or planted("forced_typical"):
-            costs.step.add(draft_s + after_s)
+        costs.step.add(draft_s + after_s)
 
-    def observe_match(self, batch_size: int, width: int, after_s: float, typical: bool = True) -> None:
+    def observe_match(self, batch_size: int, width: int, after_s: float) -> None:
         """A match step (no draft pass) prices T_after(width) only."""
         costs = self.bucket(batch_size)
         costs.after[width - 1].add(after_s)
-        if typical or planted("forced_typical"):
-            costs.step.add(after_s)
+        costs.step.add(after_s)
 
     def spec_seconds(self, batch_size: int) -> list[float] | None:
         """Seconds of a speculative step at each width w = 1 .. W (draft included), or None before it is measured."""
@@ -401,18 +386,10 @@ class CostTable:
         costs = self.buckets.get(batch_bucket(batch_size))
         return None if costs is None else costs.off.value()
 
-    def reference_seconds(self, batch_size: int) -> float | None:
-        """What a step of this bucket is measured against: the median of its served steps once it has timed
-        `TYPICAL_MIN`, else a plain step's cost (its own, else the nearest smaller bucket's: a smaller batch's is
-        cheaper, so the bound is stricter, never looser). Before stop 50 a bucket's median came from the start-up
-        profile's forced arms (half of them full-width steps: bucket 6's median 255 ms against 143 ms served), which
-        let width-7 match steps of 316 ms through. None: nothing timed at or below this bucket."""
-        b = batch_bucket(batch_size)
-        costs = self.buckets.get(b)
-        if costs is not None and len(costs.step.samples) >= TYPICAL_MIN:
-            return costs.step.value()
-        below = [c.off.value() for k, c in sorted(self.buckets.items(), reverse=True) if k <= b and c.off.samples]
-        return below[0] if below else None
+    def typical_seconds(self, batch_size: int) -> float | None:
+        """The median of the bucket's recent steps of every kind (None before one is timed)."""
+        costs = self.buckets.get(batch_bucket(batch_size))
+        return None if costs is None else costs.step.value()
 
     def to_dict(self) -> dict:
         return {"width": self.width, "buckets": {str(b): c.to_dict() for b, c in sorted(self.buckets.items())}}
@@ -528,12 +505,10 @@ class RuleConfig:
     cold_rows: int = 8
     max_batch: int | None = None  # operator cap: larger batches never speculate
     # No step is priced as a choice when it would take more than this many times the bucket's typical step (the
-    # median of its recent served steps, `CostTable.reference_seconds`): a wide verify that pays in tokens/s still
-    # holds every row's next token for its whole length (a served bucket-16 table ran width-8 match steps of 390 ms
-    # against a 153 ms median). Issue 41's goal is 2x, on realized steps; the rule prices with medians, and a served
-    # step runs up to ~20 % over its median (stop 49, bucket 16: width-2/3 steps priced 334-388 ms reached 402 ms,
-    # 2.07x), so the bound sits at 1.7 = 2 / 1.2. None: no bound.
-    max_step_ratio: float | None = 1.7
+    # median of its recent steps of every kind): a wide verify that pays in tokens/s still holds every row's next
+    # token for its whole length (a served bucket-16 table ran width-8 match steps of 390 ms against a 153 ms
+    # median: issue 41's "no decode step longer than 2x its bucket's median"). None: no bound.
+    max_step_ratio: float | None = 2.0
     mode: Mode = "auto"  # "on": always speculate (tests, fixed-schedule benchmarks); "off": never; "match": never
     # draft, verify the text's matches where they pay (a draft not trained yet, or not worth its pass on this box)
 
@@ -647,10 +622,10 @@ class FullCostRule:
         return float(rates[w - 1]), w
 
     def _within(self, batch_size: int, seconds: torch.Tensor) -> torch.Tensor:
-        """[W] bool: the widths whose step stays within `max_step_ratio` x the bucket's reference step (all while
-        nothing at or below the bucket is timed)."""
+        """[W] bool: the widths whose step stays within `max_step_ratio` x the bucket's typical step (all while the
+        bucket has timed none)."""
         ratio = self.config.max_step_ratio
-        typical = None if ratio is None or planted("step_uncapped") else self.costs.reference_seconds(batch_size)
+        typical = None if ratio is None or planted("step_uncapped") else self.costs.typical_seconds(batch_size)
         if typical is None:
             return torch.ones(seconds.shape, dtype=torch.bool, device=seconds.device)
         return seconds <= ratio * typical
@@ -705,9 +680,8 @@ class FullCostRule:
         plain step's B / T_off by the margin. `survival` [B, gamma] (0 on rows without a match) is a function of the
         committed text and earlier steps' outcomes only, so the choice is lossless like `decide`'s. The operator's
         mode "off" and batch cap forbid match steps as they forbid drafting. Cold start: until the bucket has timed
-        `cold_samples` steps wider than 1, a step with any match runs at COLD_WIDTH (a verify width nobody measured is
-        priced as w plain steps, which would never let the first one run; its longest match's width, as before stop
-        50, ran width 7-8 steps at 2.2x the median of a bucket the start-up profile had missed)."""
+        `cold_samples` steps wider than 1, a step with any match runs at its longest match's width (a verify width
+        nobody measured is priced as w plain steps, which would never let the first one run)."""
         cfg = self.config
         if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch) or not survival.numel():
             return 1
@@ -715,29 +689,23 @@ class FullCostRule:
         costs = self.costs.buckets.get(batch_bucket(batch_size))
         if costs is None or sum(c.seen for c in costs.after[1:]) < cfg.cold_samples:
             cols = s.sum(0).nonzero()
-            cap = self.gamma + 1 if planted("cold_wide") else COLD_WIDTH
-            return min(int(cols.max()) + 2, cap) if cols.numel() else 1
+            return int(cols.max()) + 2 if cols.numel() else 1
         off_s = self.costs.off_seconds(batch_size)
         rate, w = self._match_rate(batch_size, s)
         return w if off_s is not None and rate > (1 + cfg.margin) * batch_size / off_s else 1
 
     # -- after drafting ----------------------------------------------------------------------------------------
-    def widths(self, conf: torch.Tensor, bounded: bool = True) -> torch.Tensor:
+    def widths(self, conf: torch.Tensor) -> torch.Tensor:
         """Verify lengths [R] (one width for all rows: a padded verify) from this step's survival factors conf
-        [R, gamma], priced at the full cost. Until the bucket's costs are measured: COLD_WIDTH (its timing prices the
-        wider ones; the whole window, as before stop 50, ran a batch-32 verify of 256 columns on a guess).
-        `bounded=False`: no step-length bound (`max_step_ratio`): the operator forced speculation (the run-time
-        switch, the start-up profile's drafted arm), which asks for widths, not for the rule's latency guard."""
+        [R, gamma], priced at the full cost. Until the bucket's costs are measured: the whole window."""
         _check_conf(conf)
         num_requests, gamma = conf.shape
         spec_s = self.costs.spec_seconds(num_requests)
         if spec_s is None or conf.numel() == 0:
-            cold = gamma if planted("cold_wide") else min(gamma, COLD_WIDTH - 1)
-            return static_verify_lengths(num_requests, cold, conf.device)
+            return static_verify_lengths(num_requests, gamma, conf.device)
         survival = self.calibrated_survival(conf)
         seconds = torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
-        within = self._within(num_requests, seconds) if bounded else torch.ones_like(seconds, dtype=torch.bool)
-        rate = torch.where(within, 1.0 / seconds, 0.0)  # a width past the bound: never
+        rate = torch.where(self._within(num_requests, seconds), 1.0 / seconds, 0.0)  # a width past the bound: never
         if planted("decide_peek"):  # turns speculation off after reading this step's drafts' survivals
             off_s = self.costs.off_seconds(num_requests)
             tau = num_requests + torch.cat([survival.new_zeros(1), survival.sum(0).cumsum(0)])
@@ -754,9 +722,9 @@ class FullCostRule:
         return (c.cumprod(1) * factor).clamp(0.0, 1.0).cummin(1).values
 
     # -- after the step ----------------------------------------------------------------------------------------
-    def observe_off(self, batch_size: int, seconds: float, typical: bool = True) -> None:
+    def observe_off(self, batch_size: int, seconds: float) -> None:
         if self.learn_costs:
-            self.costs.observe_off(batch_size, seconds, typical)
+            self.costs.observe_off(batch_size, seconds)
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float | None, after_s: float | None,
                      accepted: torch.Tensor, conf: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -768,15 +736,14 @@ class FullCostRule:
             self.observe_spec_costs(batch_size, width, draft_s, after_s)
         self.observe_accept(batch_size, width, accepted, conf, rows, keys)
 
-    def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float,
-                           typical: bool = True) -> None:
+    def observe_spec_costs(self, batch_size: int, width: int, draft_s: float, after_s: float) -> None:
         if self.learn_costs:
-            self.costs.observe_spec(batch_size, width, draft_s, after_s, typical)
+            self.costs.observe_spec(batch_size, width, draft_s, after_s)
 
-    def observe_match(self, batch_size: int, width: int, after_s: float, typical: bool = True) -> None:
+    def observe_match(self, batch_size: int, width: int, after_s: float) -> None:
         """A match step's timing (its acceptance is the matcher's to learn, never the draft's statistics)."""
         if self.learn_costs:
-            self.costs.observe_match(batch_size, width, after_s, typical)
+            self.costs.observe_match(batch_size, width, after_s)
 
     def observe_accept(self, batch_size: int, width: int, accepted: torch.Tensor,
                        conf: torch.Tensor | None = None, rows: torch.Tensor | None = None,
