@@ -57,6 +57,7 @@ from dspark_sgl.plots import pyplot, save_figure
 from dspark_sgl.provenance import provenance
 from dspark_sgl.sglang.cpu import server_env
 from dspark_sgl.sglang.planning import SPS_CACHE_ENV
+from dspark_sgl.speculative.scheduler import buckets_up_to
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang_cpu"))
 from dspark_testkit import ServeCommand, build_bigram_draft, sglang_python  # noqa: E402
@@ -350,7 +351,7 @@ def main(
         profiled = None
         if profile_costs and any(m.startswith("DSPARK ours") for m in methods):
             cache = Path(tmp) / "cost-cache"
-            profiled = profile(py, target, d, common, [b for b in (1, 2, 4, 8, 16) if b <= max(levels)] or [1],
+            profiled = profile(py, target, d, common, list(buckets_up_to(min(max(levels), 16))),
                                cache, Path(tmp) / "profile-costs.log")
             for m in methods:
                 if m.startswith("DSPARK ours"):

@@ -417,8 +417,8 @@ def profile_costs_cmd(
     draft_dtype: Annotated[str | None, typer.Option(help="As for `dspark serve`.")] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda, as for `dspark serve`.")] = "cpu",
     match: SERVE_MATCH = None,
-    batch_size: Annotated[list[int] | None, typer.Option(help="Batch sizes to profile (repeatable; default 1 2 4 "
-                                                              "8 16).")] = None,
+    batch_size: Annotated[list[int] | None, typer.Option(help="Batch sizes to profile (repeatable; default every "
+                                                              "bucket up to 16: 1 2 3 4 6 8 12 16).")] = None,
     repeats: Annotated[int, typer.Option(help="Interleaved rounds per arm and batch size.")] = 5,
     new_tokens: Annotated[int, typer.Option(help="Decode steps per request and round.")] = 16,
     python: Annotated[Path | None, typer.Option(help="Interpreter with sglang installed (default: this one).")] = None,
@@ -436,7 +436,8 @@ def profile_costs_cmd(
     if os.environ.get(SPS_CACHE_ENV, "").lower() in ("off", "0", "none", "false"):
         _fail(f"{SPS_CACHE_ENV}={os.environ[SPS_CACHE_ENV]}: the per-machine cost cache is off; nothing to write")
     try:
-        plan = ProfilePlan(tuple(batch_size or (1, 2, 4, 8, 16)), repeats, new_tokens)
+        plan = ProfilePlan(repeats=repeats, new_tokens=new_tokens, **({"batch_sizes": tuple(batch_size)}
+                                                                       if batch_size else {}))
         target_dir = resolve_target_dir(target)
         gamma = load_draft(draft).config.block_size
         vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]

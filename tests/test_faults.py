@@ -35,6 +35,7 @@ from tests.test_fullcost_rule import (
     check_off_where_the_draft_cannot_pay,
     check_requests_rates,
     check_steps_stay_within_the_bound,
+    check_the_bound_reads_served_steps_only,
     check_the_draft_is_learnt_before_it_is_priced,
 )
 from tests.test_match import (
@@ -222,6 +223,7 @@ ENGINE_CHECKS = {
     "request_blind": check_requests_rates,
     "step_uncapped": check_steps_stay_within_the_bound,
     "accept_cold": check_the_draft_is_learnt_before_it_is_priced,
+    "forced_typical": check_the_bound_reads_served_steps_only,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

@@ -191,15 +191,16 @@ def check_steps_stay_within_the_bound() -> tuple[bool, str]:
     by 2 x 153 = 306 ms, the rule drafts at <= 3 and matches at <= 4, and still speculates (width 3 pays 1.4x plain).
     At batch 1 (off 66 ms, a width-8 drafted step 127 ms, median 65 ms) the bound does not bind: width 8."""
     after16 = [0.145, 0.200, 0.225, 0.278, 0.326, 0.346, 0.366, 0.386]
-    wide = rule_with(table(GAMMA, 0.145, 0.050, after16, batch_size=16), 0.9)
+    wide = rule_with(table(GAMMA, 0.145, 0.050, after16, batch_size=16), 0.9, max_step_ratio=2.0)
     for _ in range(40):
-        wide.costs.bucket(16).step.add(0.153)
+        wide.costs.bucket(16).add_step(0.153, served=True)
     conf = torch.full((16, GAMMA), 0.9, dtype=torch.float64)
     surv = conf.cumprod(1)
     spec16, width16, match16 = wide.decide(16).speculate, int(wide.widths(conf).max()), wide.match_width(16, surv)
-    narrow = rule_with(table(GAMMA, 0.066, 0.012, [0.066, 0.085, 0.085, 0.098, 0.098, 0.098, 0.115, 0.115]), 0.9)
+    narrow = rule_with(table(GAMMA, 0.066, 0.012, [0.066, 0.085, 0.085, 0.098, 0.098, 0.098, 0.115, 0.115]), 0.9,
+                       max_step_ratio=2.0)
     for _ in range(40):
-        narrow.costs.bucket(1).step.add(0.065)
+        narrow.costs.bucket(1).add_step(0.065, served=True)
     width1 = int(narrow.widths(conf[:1]).max())
     ok = spec16 and width16 <= 3 and match16 <= 4 and width1 == GAMMA + 1
     return ok, (f"batch 16: speculates {spec16}, drafted width {width16}, match width {match16}; batch 1: drafted "
@@ -209,6 +210,61 @@ def check_steps_stay_within_the_bound() -> tuple[bool, str]:
 def test_no_step_is_priced_past_twice_the_buckets_typical_step():
     ok, detail = check_steps_stay_within_the_bound()
     assert ok, detail
+
+
+def profiled(batch_size: int, off: float, draft: float, after: list[float], rounds: int = 10) -> CostTable:
+    """A table as `dspark profile-costs` leaves a bucket: its forced arms, off steps and full-width drafted steps
+    (`after` at widths 1 .. gamma + 1, each drafted width timed `rounds` times), none of them served."""
+    costs = CostTable(len(after))
+    for _ in range(rounds):
+        costs.observe_off(batch_size, off, served=False)
+        for w, t in enumerate(after[1:], start=2):
+            if t is not None:
+                costs.observe_spec(batch_size, w, draft, t, served=False)
+    return costs
+
+
+def check_the_bound_reads_served_steps_only() -> tuple[bool, str]:
+    """Stop 49's bucket 6 (batches 5-6), as its start-up profile left it: off steps of 118 ms and full-width drafted
+    steps (after(7) 224 ms, after(8) 245 ms, draft 29 ms), median 253 ms; served, its steps' median was 143 ms and
+    width-7/8 match steps of up to 324 ms (2.2x) ran. Matches surviving at 0.95 per position pay most at width 8.
+    Before a step is served the profile's median is the reference
+    (1.7 x 253 ms: a width-8 match step of 245 ms fits); after 8 served steps of 143 ms their median is (bound 243
+    ms): width 7 (224 ms) fits, width 8 does not. Planted `forced_typical` (the profile's steps counted as served, the
+    median stays 253 ms): width 8."""
+    costs = profiled(6, 0.118, 0.029, [0.118, None, None, None, None, None, 0.224, 0.245])
+    rule = FullCostRule(GAMMA, costs, RuleConfig(cold_samples=0, explore_every=0), learn_costs=False)
+    surv = torch.full((6, GAMMA), 0.95, dtype=torch.float64).cumprod(1)  # tokens/s alone pick width 8
+    before = rule.match_width(6, surv), round(costs.reference_seconds(6), 3)
+    for _ in range(8):
+        costs.observe_match(6, 2, 0.143)
+    after = rule.match_width(6, surv), round(costs.reference_seconds(6), 3)
+    ok = before == (8, 0.253) and after == (7, 0.143)
+    return ok, f"(match width, reference s): profiled only {before}, after 8 served steps {after}"
+
+
+def test_the_bound_reads_served_steps_only():
+    ok, detail = check_the_bound_reads_served_steps_only()
+    assert ok, detail
+
+
+def test_a_profiled_batch_of_one_drafts_wide():
+    """The served test's bucket 1 (2-core EPYC, bigram draft): off 77 ms, draft 39 ms, T_after 77 .. 116 ms, so a
+    width-8 drafted step costs 155 ms, 2x a plain step. Stop 50 bounded steps by 1.7 plain steps until 8 were served:
+    the rule never drafted wider than 2, drafting never paid, and the server kept plain steps (accept length 1.03 for
+    a draft giving ~2.5). With the profile's median as the reference (116 ms), and then the served drafted steps',
+    a draft passing 0.7 per position is drafted at width 8."""
+    after = [0.077, 0.090, 0.092, 0.104, 0.104, 0.110, 0.113, 0.116]
+    costs = profiled(1, 0.077, 0.039, after)
+    rule = FullCostRule(GAMMA, costs, RuleConfig(cold_samples=0, explore_every=0), learn_costs=False)
+    rule.overall.tested.fill_(1000.0)
+    rule.overall.passed.fill_(700.0)
+    conf = torch.full((1, GAMMA), 0.7, dtype=torch.float64)
+    assert rule.decide(1).speculate and int(rule.widths(conf).max()) == GAMMA + 1
+    for _ in range(8):
+        costs.observe_spec(1, GAMMA + 1, 0.039, 0.116)
+    assert costs.reference_seconds(1) == pytest.approx(0.155)
+    assert rule.decide(1).speculate and int(rule.widths(conf).max()) == GAMMA + 1
 
 
 def check_the_draft_is_learnt_before_it_is_priced() -> tuple[bool, str]:

@@ -315,12 +315,13 @@ class VerifyPlanner:
         bs, spec = meta["batch_size"], meta["speculate"]
         draft_s, after_s = costs_of_step(seconds)
         self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append(draft_s + after_s)
+        served = not meta.get("forced")  # a forced step (the profile's arms) is no sample of the served mix
         if meta.get("match"):  # no draft pass: T_after(width) only
-            self.rule.observe_match(bs, int(meta["width"]), after_s)
+            self.rule.observe_match(bs, int(meta["width"]), after_s, served)
         elif spec:
-            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s)
+            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s, served)
         else:
-            self.rule.observe_off(bs, after_s)
+            self.rule.observe_off(bs, after_s, served)
         self._timed += 1
         priced = sum(b.off.seen > 0 and b.draft.seen > 0 for b in self.rule.costs.buckets.values())
         if priced > self._priced or self._timed % SAVE_EVERY == 0:  # a bucket's both arms now known, or periodically

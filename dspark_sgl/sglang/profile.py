@@ -32,14 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark_sgl.speculative.scheduler import batch_bucket
+from dspark_sgl.speculative.scheduler import batch_bucket, buckets_up_to
 
 PROMPT_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class ProfilePlan:
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    batch_sizes: tuple[int, ...] = buckets_up_to(16)  # every bucket: those it skipped served on a guess (stop 49)
     repeats: int = 5
     new_tokens: int = 16
     seed: int = 0

@@ -401,7 +401,8 @@ class DSparkWorker(BaseSpecWorker):
             drafts = anchor.new_zeros(bs, W - 1)
             for r in batch.reqs:  # an off step's token is not a proposal's outcome
                 self._match_pending.pop(r.rid, None)
-        self.times.note(speculate=decision.speculate, width=w, match=decision.why == "match")
+        self.times.note(speculate=decision.speculate, width=w, match=decision.why == "match",
+                        forced=self.planner.forced_width is not None)  # the profile's arms, the run-time switch
         verify_ids = torch.cat((anchor[:, None], drafts), 1)
         window = self._window(batch, draft_input, w)
         self.times.mark("schedule")
