@@ -227,6 +227,7 @@ def markdown(record: dict) -> str:
             out.append(f"| {b} | {r['steps']} | {100 * r['speculated_share']:.1f} % | "
                        f"{100 * r.get('match_step_share', 0):.1f} % | {r['width_hist']} | {acc} | "
                        + (f"{st['median']:.0f} / {st['p99']:.0f} / {st['max']:.0f} | {st['over_2x_median']}"
+                          + (f" {st['over_2x_kinds']}" if st.get("over_2x_kinds") else "")
                           if st else "- | -") + " |")
     return "\n".join(out)
 

@@ -76,8 +76,14 @@ def test_server_info_reports_each_buckets_step_time_spread(monkeypatch):
     planner.observe_timing({"batch_size": 4, "speculate": False, "width": 1}, {"verify": 0.050})  # a stall
     planner.observe_timing({"batch_size": 1, "speculate": False, "width": 1}, {"verify": 0.005})
     spread = {b: r["step_time_ms"] for b, r in planner.info()["buckets"].items()}
-    assert spread["4"] == {"timed": 11, "median": 22.0, "p99": 50.0, "max": 50.0, "over_2x_median": 1}
-    assert spread["1"] == {"timed": 1, "median": 5.0, "p99": 5.0, "max": 5.0, "over_2x_median": 0}
+    assert spread["4"] == {"timed": 11, "median": 22.0, "p99": 50.0, "max": 50.0, "over_2x_median": 1,
+                           "over_2x_kinds": {"off": 1}}  # what the slow step was
+    assert spread["1"] == {"timed": 1, "median": 5.0, "p99": 5.0, "max": 5.0, "over_2x_median": 0,
+                           "over_2x_kinds": {}}
+    planner.observe_timing({"batch_size": 4, "speculate": True, "width": 3, "match": True}, {"verify": 0.060})
+    planner.observe_timing({"batch_size": 4, "speculate": True, "width": 4, "forced": True}, {"verify": 0.070})
+    assert planner.info()["buckets"]["4"]["step_time_ms"]["over_2x_kinds"] == {"forced w4": 1, "match w3": 1,
+                                                                             "off": 1}
 
 
 def test_an_operator_sps_table_prices_the_width_only(tmp_path, monkeypatch):

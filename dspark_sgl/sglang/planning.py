@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import os
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +119,8 @@ class BucketRecord:
     rows: int = 0  # request-steps that speculated
     predicted: float = 0.0  # summed over those request-steps: 1 + E[accepted] as predicted before drafting
     realized: Tensor | int = 0  # summed: 1 + accepted
-    step_s: deque = field(default_factory=lambda: deque(maxlen=1024))  # the worker's timed steps, any kind
+    # the worker's timed steps, any kind: (seconds, what ran: "off", "draft w5", "match w8", "forced w8", ...)
+    step_s: deque = field(default_factory=lambda: deque(maxlen=1024))
 
     def to_dict(self) -> dict:
         n = max(self.rows, 1)
@@ -131,15 +132,19 @@ class BucketRecord:
                 "step_time_ms": step_spread(self.step_s)}
 
 
-def step_spread(seconds) -> dict | None:
-    """The worker's step times of a bucket (last 1,024; off, match and speculative steps alike): median, p99, max
-    and how many took more than twice the median (issue 41's "no decode step longer than 2x its bucket's median")."""
-    if not seconds:
+def step_spread(steps) -> dict | None:
+    """The worker's step times of a bucket (last 1,024 (seconds, kind) pairs; off, match and speculative steps alike):
+    median, p99, max, how many took more than twice the median (issue 41's "no decode step longer than 2x its
+    bucket's median") and what those were (kind and width: a rule that priced them within its bound, or a box that
+    ran them slow, tell apart by it)."""
+    if not steps:
         return None
-    ms = sorted(1e3 * t for t in seconds)
+    ms = sorted(1e3 * t for t, _ in steps)
     median = ms[len(ms) // 2]
+    over = Counter(kind for t, kind in steps if 1e3 * t > 2 * median)
     return {"timed": len(ms), "median": round(median, 2), "p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2),
-            "max": round(ms[-1], 2), "over_2x_median": sum(t > 2 * median for t in ms)}
+            "max": round(ms[-1], 2), "over_2x_median": sum(over.values()),
+            "over_2x_kinds": dict(sorted(over.items()))}
 
 
 @dataclass
@@ -314,7 +319,10 @@ class VerifyPlanner:
         the rest at its width; an off step: its whole time)."""
         bs, spec = meta["batch_size"], meta["speculate"]
         draft_s, after_s = costs_of_step(seconds)
-        self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append(draft_s + after_s)
+        width = int(meta.get("width", 1))
+        kind = ("match" if meta.get("match") else "forced" if meta.get("forced") and spec else "draft" if spec
+                else "off") + (f" w{width}" if width > 1 else "")
+        self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append((draft_s + after_s, kind))
         served = not meta.get("forced")  # a forced step (the profile's arms) is no sample of the served mix
         if meta.get("match"):  # no draft pass: T_after(width) only
             self.rule.observe_match(bs, int(meta["width"]), after_s, served)
