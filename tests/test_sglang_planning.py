@@ -67,6 +67,23 @@ def test_costs_come_from_step_timings_and_price_the_width(monkeypatch):
     assert planner.verify_lengths(z, 4, "cpu").tolist() == [4, 4, 4, 4]
 
 
+def test_forced_steps_are_not_narrowed_by_the_step_bound(monkeypatch):
+    """The run-time switch (and the start-up profile's drafted arm) forces widths up to its cap; the rule's step bound
+    (1.7x the bucket's served median) is the rule's latency guard, not the operator's. A bucket that served off steps
+    (median 10 ms) bounds the rule's own steps to width 1 (a width-2 step costs 22 ms), and a forced step still verifies
+    its cap (the served hybrid test at stop 51: a shared server's bucket 24 had served off steps, the forced steps
+    verified one column and the matches accepted nothing)."""
+    monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
+    planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={2: 20.0, 4: 24.0}, repeats=1)
+    for _ in range(10):  # served off steps make the bucket's median
+        planner.observe_timing({"batch_size": 4, "speculate": False, "width": 1}, {"verify": 0.010})
+    sure = torch.full((4, 3), 0.99)
+    assert planner.lengths_from_conf(sure, 4, "cpu").tolist() == [1, 1, 1, 1]
+    planner.set_forced_fraction(0.99)
+    assert planner.lengths_from_conf(sure, 4, "cpu").tolist() == [4, 4, 4, 4]
+
+
 def test_server_info_reports_each_buckets_step_time_spread(monkeypatch):
     """/server_info's step_time_ms per bucket: median, p99, max and the steps over twice the median, from the
     timings the worker hands the planner (every kind of step), never from another bucket's."""

@@ -270,7 +270,7 @@ class VerifyPlanner:
         if self.policy == "confidence" and conf is not None:
             # the worker's verify pads every row to the longest: one width for the batch (the padded rules)
             lengths = schedule(conf, self.sps, "confidence", padded=True) if self.sps is not None \
-                else self.rule.widths(conf)
+                else self.rule.widths(conf, bounded=self.forced_width is None)
         return lengths if self.forced_width is None else lengths.clamp(max=self.forced_width)
 
     def host_width(self, conf_logits: Tensor | None) -> int | None:

@@ -723,9 +723,12 @@ class FullCostRule:
         return w if off_s is not None and rate > (1 + cfg.margin) * batch_size / off_s else 1
 
     # -- after drafting ----------------------------------------------------------------------------------------
-    def widths(self, conf: torch.Tensor) -> torch.Tensor:
+    def widths(self, conf: torch.Tensor, bounded: bool = True) -> torch.Tensor:
         """Verify lengths [R] (one width for all rows: a padded verify) from this step's survival factors conf
-        [R, gamma], priced at the full cost. Until the bucket's costs are measured: the whole window."""
+        [R, gamma], priced at the full cost. Until the bucket's costs are measured: the whole window. `bounded=False`:
+        no step-length bound (`max_step_ratio`): the operator forced speculation (the run-time switch, the start-up
+        profile's drafted arm), which asks for widths, not for the rule's latency guard (a bucket that had served
+        off steps bounded forced steps to width 1: the forced hybrid served test verified nothing)."""
         _check_conf(conf)
         num_requests, gamma = conf.shape
         spec_s = self.costs.spec_seconds(num_requests)
@@ -733,7 +736,8 @@ class FullCostRule:
             return static_verify_lengths(num_requests, gamma, conf.device)
         survival = self.calibrated_survival(conf)
         seconds = torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
-        rate = torch.where(self._within(num_requests, seconds), 1.0 / seconds, 0.0)  # a width past the bound: never
+        within = self._within(num_requests, seconds) if bounded else torch.ones_like(seconds, dtype=torch.bool)
+        rate = torch.where(within, 1.0 / seconds, 0.0)  # a width past the bound: never
         if planted("decide_peek"):  # turns speculation off after reading this step's drafts' survivals
             off_s = self.costs.off_seconds(num_requests)
             tau = num_requests + torch.cat([survival.new_zeros(1), survival.sum(0).cumsum(0)])
