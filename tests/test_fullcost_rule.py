@@ -228,10 +228,9 @@ def check_the_bound_reads_served_steps_only() -> tuple[bool, str]:
     """Stop 49's bucket 6 (batches 5-6), as its start-up profile left it: off steps of 118 ms and full-width drafted
     steps (after(7) 224 ms, after(8) 245 ms, draft 29 ms), median 253 ms; served, its steps' median was 143 ms and
     width-7/8 match steps of up to 324 ms (2.2x) ran. Matches surviving at 0.95 per position pay most at width 8.
-    Before a step is served the profile's median is the reference
-    (1.7 x 253 ms: a width-8 match step of 245 ms fits); after 8 served steps of 143 ms their median is (bound 243
-    ms): width 7 (224 ms) fits, width 8 does not. Planted `forced_typical` (the profile's steps counted as served, the
-    median stays 253 ms): width 8."""
+    Before a step is served the profile's median is the reference (1.7 x 253 ms: a width-8 match step of 245 ms
+    fits); after 8 served steps of 143 ms their median is (bound 243 ms): width 7 (224 ms) fits, width 8 does not.
+    Planted `forced_typical` (the profile's steps counted as served, the median stays 253 ms): width 8."""
     costs = profiled(6, 0.118, 0.029, [0.118, None, None, None, None, None, 0.224, 0.245])
     rule = FullCostRule(GAMMA, costs, RuleConfig(cold_samples=0, explore_every=0), learn_costs=False)
     surv = torch.full((6, GAMMA), 0.95, dtype=torch.float64).cumprod(1)  # tokens/s alone pick width 8

@@ -325,9 +325,9 @@ class VerifyPlanner:
         self.buckets.setdefault(batch_bucket(bs), BucketRecord()).step_s.append((draft_s + after_s, kind))
         served = not meta.get("forced")  # a forced step (the profile's arms) is no sample of the served mix
         if meta.get("match"):  # no draft pass: T_after(width) only
-            self.rule.observe_match(bs, int(meta["width"]), after_s, served)
+            self.rule.observe_match(bs, width, after_s, served)
         elif spec:
-            self.rule.observe_spec_costs(bs, int(meta["width"]), draft_s, after_s, served)
+            self.rule.observe_spec_costs(bs, width, draft_s, after_s, served)
         else:
             self.rule.observe_off(bs, after_s, served)
         self._timed += 1

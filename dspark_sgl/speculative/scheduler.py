@@ -298,13 +298,15 @@ class BucketCosts:
     step: RunningCost = field(default_factory=lambda: RunningCost(window=STEP_WINDOW))
     served: RunningCost = field(default_factory=lambda: RunningCost(window=STEP_WINDOW))
 
+    def __post_init__(self) -> None:
+        self.after = self.after or [RunningCost() for _ in range(self.width)]
+
     def add_step(self, seconds: float, served: bool) -> None:
+        """Every step's whole time; `served`: also a sample of the mix the rule serves (not an operator's forced
+        step)."""
         self.step.add(seconds)
         if served or planted("forced_typical"):
             self.served.add(seconds)
-
-    def __post_init__(self) -> None:
-        self.after = self.after or [RunningCost() for _ in range(self.width)]
 
     def after_seconds(self) -> list[float] | None:
         """T_after(w) for w = 1 .. W from the widths measured: linear between measured widths; past the widest, the
