@@ -29,6 +29,7 @@ from tests.test_draft_vocab import reduced
 from tests.test_engine import PROMPTS, bigram_draft, chain_accepts, pairs_from
 from tests.test_fullcost_rule import (
     alternating,
+    check_a_warm_up_step_prices_nothing,
     check_acceptance_memory_in_rows,
     check_costs_are_ordered,
     check_decided_before_drafting,
@@ -224,6 +225,7 @@ ENGINE_CHECKS = {
     "step_uncapped": check_steps_stay_within_the_bound,
     "accept_cold": check_the_draft_is_learnt_before_it_is_priced,
     "forced_typical": check_the_bound_reads_served_steps_only,
+    "warmup_priced": check_a_warm_up_step_prices_nothing,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

@@ -75,7 +75,7 @@ def test_forced_steps_are_not_narrowed_by_the_step_bound(monkeypatch):
     verified one column and the matches accepted nothing)."""
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
     planner = VerifyPlanner.from_server_args(spec_args(), DSparkDraft(tiny_draft_config(block_size=3)))
-    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={2: 20.0, 4: 24.0}, repeats=1)
+    feed(planner, 4, off_ms=10.0, draft_ms=2.0, after_ms={2: 20.0, 4: 24.0}, repeats=2)  # the first: warm-up
     for _ in range(10):  # served off steps make the bucket's median
         planner.observe_timing({"batch_size": 4, "speculate": False, "width": 1}, {"verify": 0.010})
     sure = torch.full((4, 3), 0.99)
@@ -160,7 +160,8 @@ def test_per_machine_cache_keeps_the_learnt_costs(tmp_path, monkeypatch):
     draft = DSparkDraft(tiny_draft_config(block_size=3))
     cache = tmp_path / "sps" / "engine.json"  # its folder does not exist yet
     first = VerifyPlanner.from_server_args(spec_args(), draft, cache)
-    feed(first, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0})  # both arms of bucket 4 timed: written
+    feed(first, 4, off_ms=10.0, draft_ms=2.0, after_ms={4: 40.0}, repeats=4)  # both arms of bucket 4 timed (after
+    # each one's warm-up step) 3 times: written, and past the cold start
     assert list(json.loads(cache.read_text())["buckets"]) == ["4"]
     first.info()  # reading /server_info writes the table
     again = VerifyPlanner.from_server_args(spec_args(), draft, cache)
@@ -174,7 +175,7 @@ def test_per_machine_cache_keeps_the_learnt_costs(tmp_path, monkeypatch):
     mine = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft, cache)
     feed(mine, 1, off_ms=5.0, draft_ms=1.0, after_ms={4: 9.0})
     mine.save()
-    assert json.loads(explicit.read_text())["buckets"]["1"]["off"] == [0.005] * 3
+    assert json.loads(explicit.read_text())["buckets"]["1"]["off"] == [0.005] * 2  # 3 steps, the first a warm-up
     loaded = VerifyPlanner.from_server_args(spec_args(sps=str(explicit)), draft)
     assert loaded.sps is None and loaded.rule.costs.off_seconds(1) == pytest.approx(0.005)
 

@@ -363,6 +363,9 @@ class CostTable:
 
     width: int  # W = gamma + 1
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
+    # (bucket, cell) of the cost cells this process has timed once: never saved, so a table loaded by a new process
+    # warms up again (`_warm`)
+    warmed: set[tuple[int, str, int]] = field(default_factory=set, repr=False, compare=False)
 
     def bucket(self, batch_size: int) -> BucketCosts:
         b = batch_bucket(batch_size)
@@ -370,25 +373,43 @@ class CostTable:
             self.buckets[b] = BucketCosts(self.width)
         return self.buckets[b]
 
+    def _warm(self, batch_size: int, cell: str, width: int = 0) -> bool:
+        """False the first time this process times this cell (`off`, `draft`, or `after` at a width) in this bucket:
+        that sample prices nothing (the step still counts, `BucketCosts.add_step`). A first forward of a shape pays
+        one-off work (weight packing, allocator growth, lazy kernel choice): stop 51's profile timed its first drafted
+        width-8 step at batch 1 at 460 ms against ~150 for the later ones, that one sample priced width 8 for good,
+        the rule never chose it again, and so it was never corrected. Per cell, not per kind of step: a drafted step
+        at a new width still prices the draft once the draft has run, and a match step the verify width a drafted
+        step warmed."""
+        key = (batch_bucket(batch_size), cell, width)
+        if key in self.warmed or planted("warmup_priced"):
+            return True
+        self.warmed.add(key)
+        return False
+
     # `served=False`: a step the operator forced (the start-up profile's arms, the run-time switch) prices its kind
     # but is no sample of the mix the rule serves, whose median bounds the rule's steps (`reference_seconds`).
     def observe_off(self, batch_size: int, seconds: float, served: bool = True) -> None:
         """A plain step is also a width-1 verify without a draft: it prices T_after(1) as well."""
         costs = self.bucket(batch_size)
-        costs.off.add(seconds)
-        costs.after[0].add(seconds)
+        if self._warm(batch_size, "off"):
+            costs.off.add(seconds)
+            costs.after[0].add(seconds)
         costs.add_step(seconds, served)
 
     def observe_spec(self, batch_size: int, width: int, draft_s: float, after_s: float, served: bool = True) -> None:
         costs = self.bucket(batch_size)
-        costs.draft.add(draft_s)
-        costs.after[width - 1].add(after_s)
+        if self._warm(batch_size, "draft"):
+            costs.draft.add(draft_s)
+        if self._warm(batch_size, "after", width):
+            costs.after[width - 1].add(after_s)
         costs.add_step(draft_s + after_s, served)
 
     def observe_match(self, batch_size: int, width: int, after_s: float, served: bool = True) -> None:
         """A match step (no draft pass) prices T_after(width) only."""
         costs = self.bucket(batch_size)
-        costs.after[width - 1].add(after_s)
+        if self._warm(batch_size, "after", width):
+            costs.after[width - 1].add(after_s)
         costs.add_step(after_s, served)
 
     def spec_seconds(self, batch_size: int) -> list[float] | None:
