@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_sgl.sglang.cpu import linear
+
 TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 
@@ -122,6 +124,11 @@ def make_backend_class():
         packed_linear = True
         packed_linear_now = False  # read by linear.py: this forward is a DECODE or TARGET_VERIFY one
 
+        def __init__(self, model_runner, *args, **kwargs):
+            super().__init__(model_runner, *args, **kwargs)
+            if self.packed_linear and linear.enabled():  # the weights are loaded: pack before the first request
+                linear.pack_model(model_runner.model)
+
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             self._plan = None  # built by the first layer of this forward that needs it
@@ -191,8 +198,6 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, make_backend_class(), HookType.REPLACE)
-    from dspark_sgl.sglang.cpu import linear
-
     linear.register(HookRegistry, HookType)  # oneDNN-packed fp32 linears in DECODE / TARGET_VERIFY forwards
     from dspark_sgl.sglang.cpu import kda
 
