@@ -135,9 +135,10 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 def test_small_budget_options_resume_exactly_and_export_the_trained_function(tiny, tmp_path):
-    """Warm start + fc input scale + RAM feature cache, end to end: the measured scale rides in the checkpoint (a
-    resumed run does not re-measure it on other data), and the export folds it into fc."""
-    opts = {"optim": {"lr": 3e-3, "warmup_ratio": 0.2, "scale_aux": True}, "init": {"target_layers": [2, 3]},
+    """Warm start + fc input scale + RAM feature cache + per-module LR groups, end to end: the measured scale rides in
+    the checkpoint (a resumed run does not re-measure it on other data), and the export folds it into fc."""
+    opts = {"optim": {"lr": 3e-3, "warmup_ratio": 0.2, "scale_aux": True, "lr_scale": {"markov_head": 0.5}},
+            "init": {"target_layers": [2, 3]},
             "draft": {"intermediate_size": 64},  # the tiny target's FFN, so its layers can be copied
             "stream": {"memory_cache_mb": 64}, "train": {"max_steps": 8, "save_every": 4}}
     full = write_recipe(tiny, tmp_path / "full", **opts)

@@ -19,7 +19,7 @@ from training.data import Sample
 from training.objective import Batch, ObjectiveConfig
 from training.sources import MemoryCachedSource
 from training.tiny import build_tiny_target, mask_token_id
-from training.trainer import ObjectiveModule, fold_aux_scale
+from training.trainer import ObjectiveModule, fold_aux_scale, param_groups
 from training.warmstart import InitConfig, WarmStartError, init_from_draft, init_from_target, warm_start
 
 
@@ -149,3 +149,29 @@ def test_recipe_sections_reach_the_trainer(tmp_path):
     with pytest.raises(RecipeError, match="exclusive"):
         load_recipe(None, ["init.target_layers=[1,2]", "init.draft=x"])
     json.dumps(r.to_dict())
+
+
+def test_lr_scale_moves_each_draft_module_at_its_multiplier(target):
+    """`optim.lr_scale` (issue 40's per-group LR lever): AdamW's first step moves every weight by its group's LR
+    (|update| = lr for a nonzero gradient), so each module moves at lr x its multiplier and the rest at lr; every
+    trainable parameter is in exactly one group; a key naming no module is one clear error; a multiplier <= 0 is
+    refused by the recipe."""
+    from training.recipe import RecipeError, load_recipe
+
+    module = ObjectiveModule(draft_for(target), ObjectiveConfig())
+    groups = param_groups(module, 1e-2, {"markov_head": 0.25, "layers": 2.0})
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert sorted(map(id, (p for g in groups for p in g["params"]))) == sorted(map(id, trainable))
+    before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    for p in trainable:
+        p.grad = torch.ones_like(p)
+    torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0).step()
+    moved = {n.split(".")[1]: (p.detach() - before[n]).abs().max().item()
+             for n, p in module.named_parameters() if p.requires_grad}
+    assert moved["markov_head"] == pytest.approx(2.5e-3, rel=1e-3) and moved["layers"] == pytest.approx(2e-2, rel=1e-3)
+    assert moved["fc"] == pytest.approx(1e-2, rel=1e-3) and moved["confidence_head"] == pytest.approx(1e-2, rel=1e-3)
+    with pytest.raises(RecipeError, match="markov_heads.*markov_head"):
+        param_groups(module, 1e-2, {"markov_heads": 0.5})
+    assert load_recipe(None, ["optim.lr_scale={markov_head: 0.25}"]).optim.lr_scale == {"markov_head": 0.25}
+    with pytest.raises(RecipeError, match="must be > 0"):
+        load_recipe(None, ["optim.lr_scale={fc: 0}"])

@@ -133,6 +133,25 @@ def shard(module: ObjectiveModule, compute_dtype: torch.dtype, reshard_after_for
     return module
 
 
+def param_groups(model: nn.Module, lr: float, lr_scale: dict[str, float]) -> list[dict]:
+    """The trainable parameters as AdamW groups, one per LR multiplier of `optim.lr_scale`: a parameter's key is the
+    draft module it belongs to (`draft.<key>.…`). A key that names no trainable parameter is an error (a typo would
+    otherwise train the whole draft at one LR and say nothing)."""
+    groups: dict[float, list[nn.Parameter]] = {}
+    keys = set()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            parts = name.split(".")
+            key = parts[1] if parts[0] == "draft" and len(parts) > 2 else parts[0]
+            keys.add(key)
+            groups.setdefault(lr_scale.get(key, 1.0), []).append(p)
+    unknown = sorted(set(lr_scale) - keys)
+    if unknown:
+        raise RecipeError(f"optim.lr_scale names {unknown}, which hold no trainable parameter; the draft's: "
+                          f"{sorted(keys)}")
+    return [{"params": params, "lr": lr * scale} for scale, params in sorted(groups.items())]
+
+
 def lr_lambda(total: int, warmup: int, min_ratio: float, budget: TimeBudget | None = None):
     """Linear warmup to 1, then cosine down to min_ratio at the last step (or, with a time budget, at its end)."""
     def f(step: int) -> float:
@@ -335,7 +354,8 @@ class Trainer:
             source.teacher_head = (model.draft.target.lm_head.weight, r.objective.teacher_topk)
         params = [p for p in model.parameters() if p.requires_grad]
         o = r.optim
-        optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        optim = torch.optim.AdamW(param_groups(model, o.lr, o.lr_scale), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  weight_decay=o.weight_decay)
         steps = total_steps(r, len(samples))
         warmup = round(o.warmup_ratio * steps)
         budget = TimeBudget(t.minutes, self.started) if t.minutes else None
@@ -368,7 +388,7 @@ class Trainer:
                 ahead = plan.micro_batches(step + 1, self.d.rank) if step + 1 < steps else []
                 source.submit([it for mb in micro + ahead for it in mb])  # engines prefetch the next step meanwhile
                 metrics = self.train_step(model, params, optim, sched, step, micro, source)
-                logger.step(step, metrics, sched.get_last_lr()[0])
+                logger.step(step, metrics, o.lr * sched.lr_lambdas[0](sched.last_epoch))  # the recipe's LR
                 done = step + 1
                 spent = budget is not None and budget.tick(self.d.device)
                 if (t.save_every and done % t.save_every == 0) or done == steps or spent:
