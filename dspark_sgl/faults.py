@@ -47,6 +47,8 @@ The sites (docs/testing.md has the table of which test catches which):
                       bounds the rule's steps (scheduler.BucketCosts.add_step, shared)
     warmup_priced   - the first sample a process times of each cost cell in a bucket (off, draft, after at a width:
                       its one-off warm-up) prices that cell like any other (scheduler.CostTable._warm, shared)
+    cold_wide       - a bucket with no costs verifies the whole window in the rule's steps, at any batch (a batch of 32:
+                      256 columns on a guess; scheduler.FullCostRule.cold_width, shared)
     grammar_mask    - the worker leaves the target's verify logits unmasked by the requests' grammars
                       (sglang/worker._grammar_mask)
     export_transpose - the export writes layer 0's o_proj transposed (square: every loader takes it)
@@ -75,7 +77,7 @@ PLANTS = frozenset({
     "kv_rollback", "penalty_drafts", "top_p_boundary", "match_residual", "seed", "rank_sync", "rank_agree",
     "cost_no_draft", "decide_peek", "export_transpose", "export_d2t", "match_step_stats", "grammar_mask",
     "anchor_last", "accept_per_step", "match_rows_stats", "match_blind_decide", "cost_unordered",
-    "request_blind", "step_uncapped", "accept_cold", "forced_typical", "warmup_priced",
+    "request_blind", "step_uncapped", "accept_cold", "forced_typical", "warmup_priced", "cold_wide",
 })
 
 

@@ -31,6 +31,7 @@ from tests.test_fullcost_rule import (
     alternating,
     check_a_warm_up_step_prices_nothing,
     check_acceptance_memory_in_rows,
+    check_cold_steps_stay_narrow,
     check_costs_are_ordered,
     check_decided_before_drafting,
     check_off_where_the_draft_cannot_pay,
@@ -226,6 +227,7 @@ ENGINE_CHECKS = {
     "accept_cold": check_the_draft_is_learnt_before_it_is_priced,
     "forced_typical": check_the_bound_reads_served_steps_only,
     "warmup_priced": check_a_warm_up_step_prices_nothing,
+    "cold_wide": check_cold_steps_stay_narrow,
 }
 # tests/test_sglang_planted.py; rank_sync and rank_agree: tests/test_rank_sync.py (two gloo ranks)
 # grammar_mask: tests/test_sglang_server.py::test_planted_unmasked_grammar_is_caught (the engine has no grammars)

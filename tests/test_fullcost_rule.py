@@ -359,6 +359,27 @@ def test_a_warm_up_step_prices_nothing():
     assert ok, detail
 
 
+def check_cold_steps_stay_narrow() -> tuple[bool, str]:
+    """A bucket with no costs (above the start-up profile's 16, or no profile at all): the rule's cold drafted and
+    match steps verify at most `cold_columns` (32) columns, never below width 2: batch 32 at width 2, batch 8 at 4,
+    batch 1 at the whole window; a forced step (the operator's switch) still verifies the whole window. Planted
+    `cold_wide`: batch 32 drafts and matches at width 8 (256 columns on a guess)."""
+    rule = FullCostRule(GAMMA, config=RuleConfig(cold_samples=3, explore_every=0))
+    sure = torch.full((32, GAMMA), 0.9, dtype=torch.float64)
+    cold = rule.decide(32)
+    drafted = {b: int(rule.widths(sure[:b]).max()) for b in (1, 8, 32)}
+    matched = {b: rule.match_width(b, sure[:b]) for b in (1, 8, 32)}
+    forced = int(rule.widths(sure, bounded=False).max())
+    want = {1: GAMMA + 1, 8: 4, 32: 2}
+    ok = cold.speculate and cold.why == "cold" and drafted == want and matched == want and forced == GAMMA + 1
+    return ok, f"drafted {drafted}, matched {matched}, forced {forced}"
+
+
+def test_cold_steps_stay_narrow():
+    ok, detail = check_cold_steps_stay_narrow()
+    assert ok, detail
+
+
 def test_acceptance_is_learnt_per_position_and_calibrates_the_head():
     rule = FullCostRule(3)
     for _ in range(200):  # rows accept 0, 1, 2, 3 drafts equally often at the full width

@@ -552,6 +552,11 @@ class RuleConfig:
     # prior, no draft pass) always beats, so a server with the hybrid on and a loaded cost table would never draft
     # and never learn that its draft pays (stop 47: a draft accepting ~2.5 per step served at 1.03 tokens per step).
     cold_rows: int = 8
+    # Verify columns (rows x width) of the rule's steps in a bucket with no costs (`FullCostRule.cold_width`): width
+    # max(2, cold_columns // B), at most the whole window (B <= 4 at gamma 7). The whole window at any batch was a
+    # 256-column verify at batch 32 (several plain steps on a CPU) on a guess; 2 columns per row cost about two plain
+    # steps on a CPU and little more on a GPU, and their timings price the wider widths (`BucketCosts.after_seconds`).
+    cold_columns: int = 32
     max_batch: int | None = None  # operator cap: larger batches never speculate
     # No step is priced as a choice when it would take more than this many times the bucket's typical step (the
     # median of its recent served steps, `CostTable.reference_seconds`): a wide verify that pays in tokens/s still
@@ -567,7 +572,7 @@ class RuleConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; expected one of {MODES}")
         if (self.margin < 0 or self.hysteresis < 0 or min(self.dwell, self.dwell_on) < 1 or self.explore_every < 0
-                or min(self.cold_samples, self.cold_rows) < 0
+                or min(self.cold_samples, self.cold_rows) < 0 or self.cold_columns < 2
                 or (self.max_step_ratio is not None and self.max_step_ratio < 1)):
             raise ValueError(f"bad rule settings {self}")
 
@@ -731,8 +736,8 @@ class FullCostRule:
         plain step's B / T_off by the margin. `survival` [B, gamma] (0 on rows without a match) is a function of the
         committed text and earlier steps' outcomes only, so the choice is lossless like `decide`'s. The operator's
         mode "off" and batch cap forbid match steps as they forbid drafting. Cold start: until the bucket has timed
-        `cold_samples` steps wider than 1, a step with any match runs at its longest match's width (a verify width
-        nobody measured is priced as w plain steps, which would never let the first one run)."""
+        `cold_samples` steps wider than 1, a step with any match runs at its longest match's width up to `cold_width`
+        (a verify width nobody measured is priced as w plain steps, which would never let the first one run)."""
         cfg = self.config
         if cfg.mode == "off" or (cfg.max_batch is not None and batch_size > cfg.max_batch) or not survival.numel():
             return 1
@@ -740,7 +745,7 @@ class FullCostRule:
         costs = self.costs.buckets.get(batch_bucket(batch_size))
         if costs is None or sum(c.seen for c in costs.after[1:]) < cfg.cold_samples:
             cols = s.sum(0).nonzero()
-            return int(cols.max()) + 2 if cols.numel() else 1
+            return min(int(cols.max()) + 2, self.cold_width(batch_size)) if cols.numel() else 1
         off_s = self.costs.off_seconds(batch_size)
         rate, w = self._match_rate(batch_size, s)
         return w if off_s is not None and rate > (1 + cfg.margin) * batch_size / off_s else 1
@@ -751,12 +756,14 @@ class FullCostRule:
         [R, gamma], priced at the full cost. Until the bucket's costs are measured: the whole window. `bounded=False`:
         no step-length bound (`max_step_ratio`): the operator forced speculation (the run-time switch, the start-up
         profile's drafted arm), which asks for widths, not for the rule's latency guard (a bucket that had served
-        off steps bounded forced steps to width 1: the forced hybrid served test verified nothing)."""
+        off steps bounded forced steps to width 1: the forced hybrid served test verified nothing). Until the bucket's
+        draft and verify are priced: `cold_width` (a forced step: the whole window)."""
         _check_conf(conf)
         num_requests, gamma = conf.shape
         spec_s = self.costs.spec_seconds(num_requests)
         if spec_s is None or conf.numel() == 0:
-            return static_verify_lengths(num_requests, gamma, conf.device)
+            cold = self.cold_width(num_requests) if bounded else gamma + 1
+            return static_verify_lengths(num_requests, cold - 1, conf.device)
         survival = self.calibrated_survival(conf)
         seconds = torch.tensor(spec_s, dtype=torch.float64, device=conf.device)
         within = self._within(num_requests, seconds) if bounded else torch.ones_like(seconds, dtype=torch.bool)
@@ -768,6 +775,13 @@ class FullCostRule:
                 return torch.ones(num_requests, dtype=torch.long, device=conf.device)
         columns = padded_columns(survival.sum(0), num_requests, rate)
         return (columns + 1).expand(num_requests).clone()
+
+    def cold_width(self, batch_size: int) -> int:
+        """The verify width of the rule's steps in a bucket with no costs: the whole window up to
+        `RuleConfig.cold_columns` columns in all, never below 2 (batch 1-4: 8; 8: 4; 16 and up: 2, at gamma 7)."""
+        if planted("cold_wide"):
+            return self.gamma + 1
+        return max(2, min(self.gamma + 1, self.config.cold_columns // max(int(batch_size), 1)))
 
     def calibrated_survival(self, conf: torch.Tensor) -> torch.Tensor:
         """Survival [R, gamma] = cumprod(conf) x the running realized/predicted ratio per position, kept non-increasing
