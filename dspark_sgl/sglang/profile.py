@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_sgl.sglang.client import post_json
 from dspark_sgl.speculative.scheduler import batch_bucket, buckets_up_to
 
 PROMPT_TOKENS = 64
@@ -88,13 +89,7 @@ class ProfileServer:
                 self.proc.wait()
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-        try:
-            return json.loads(raw or b"{}")
-        except json.JSONDecodeError:  # /flush_cache answers in plain text
-            return {"text": raw.decode(errors="replace")}
+        return post_json(self.url, path, body, timeout)
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=120) as r:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from dspark_sgl.sglang.client import post_json
 from dspark_sgl.sglang.cpu import PLUGIN_ENTRY_POINTS, probe, server_env, tp_size_of
 from dspark_sgl.sglang.planning import SPS_CACHE_ENV
 from dspark_sgl.sglang.serve import CPU_SERVER_ARGS as PRODUCT_CPU_ARGS
@@ -148,14 +149,7 @@ class Server:
 
     # ---- HTTP --------------------------------------------------------------------------------------------
     def post(self, path: str, payload: dict, timeout: float = 300.0) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
-        try:
-            return json.loads(body)
-        except json.JSONDecodeError:  # e.g. /flush_cache answers plain text
-            return {"text": body.decode(errors="replace")}
+        return post_json(self.url, path, payload, timeout)
 
     def get(self, path: str, timeout: float = 60.0) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
