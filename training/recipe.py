@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, create_model
 
 from dspark_sgl.config import DSparkConfig
 from dspark_sgl.dtypes import DTYPE_NAMES
@@ -91,15 +91,7 @@ class OptimConfig(Section):
     scale_aux: bool = False  # train fc on per-channel RMS-normalised target states (folded into fc at export)
     # LR multipliers by draft module (issue 40, lever 4), keyed by the module a parameter belongs to (layers, fc,
     # hidden_norm, norm, markov_head, confidence_head, lm_head, ...): e.g. {markov_head: 0.25}; the others keep 1
-    lr_scale: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("lr_scale")
-    @classmethod
-    def _positive_scales(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = {k: x for k, x in v.items() if not x > 0}
-        if bad:
-            raise ValueError(f"optim.lr_scale multipliers must be > 0, got {bad}")
-        return v
+    lr_scale: dict[str, PositiveFloat] = Field(default_factory=dict)
 
 
 class TrainLoopConfig(Section):
